@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .mx import _check_input, dequantize_mx, quantize_mx
+from .mx import _check_input, _chunk_rows, dequantize_mx, quantize_mx
 
 DUAL_BLOCK_SIZE = 512
 _INV_SIX = 1.0 / 6.0
@@ -57,21 +57,41 @@ def quantize_dualscale(
     k = x.shape[-1]
     if k % 2:
         raise ValueError(f"quantize_dualscale: K must be even, got shape {tuple(x.shape)}")
-    xs = x
     if smooth is not None:
         _check_smooth(smooth, k, "quantize_dualscale")
-        xs = x * smooth.to(device=x.device, dtype=x.dtype)
-    l0 = level0_scales(xs)
+        smooth = smooth.to(device=x.device, dtype=x.dtype)
+    lead = x.shape[:-1]
+    rows = x.numel() // k if k else 0
+    flat = x.reshape(rows, k)
+    chunks = -(-k // DUAL_BLOCK_SIZE)
+    data = torch.empty((rows, k // 2), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((rows, -(-k // 32)), dtype=torch.uint8, device=x.device)
+    dual = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
+    step = _chunk_rows(rows, chunks * DUAL_BLOCK_SIZE, x.device)
+    for start in range(0, rows, step):
+        xs = flat[start : start + step]
+        if smooth is not None:
+            xs = xs * smooth
+        l0 = level0_scales(xs)
+        t = _normalise(xs, l0)
+        data[start : start + step], scale[start : start + step] = quantize_mx(
+            t, elem="fp4", scale_rule="floor"
+        )
+        dual[start : start + step] = l0
+    return data.reshape(*lead, k // 2), scale.reshape(*lead, scale.shape[-1]), dual.reshape(*lead, chunks)
+
+
+def _normalise(xs: torch.Tensor, l0: torch.Tensor) -> torch.Tensor:
+    """t = xs / L0 per 512-chunk, in float32, rounded once to xs's dtype; zeros keep their sign."""
+    k = xs.shape[-1]
     chunks = l0.shape[-1]
     pad = chunks * DUAL_BLOCK_SIZE - k
     xs_f = xs.float()
     if pad:
         xs_f = torch.nn.functional.pad(xs_f, (0, pad))
-    grouped = xs_f.reshape(*x.shape[:-1], chunks, DUAL_BLOCK_SIZE)
-    t = grouped / l0.unsqueeze(-1)
-    t = torch.where(grouped == 0, grouped, t).reshape(*x.shape[:-1], chunks * DUAL_BLOCK_SIZE)[..., :k]
-    data, scale = quantize_mx(t.to(x.dtype), elem="fp4", scale_rule="floor")
-    return data, scale, l0
+    grouped = xs_f.reshape(*xs.shape[:-1], chunks, DUAL_BLOCK_SIZE)
+    t = torch.where(grouped == 0, grouped, grouped / l0.unsqueeze(-1))
+    return t.reshape(*xs.shape[:-1], chunks * DUAL_BLOCK_SIZE)[..., :k].to(xs.dtype)
 
 
 def dequantize_dualscale(

@@ -92,7 +92,9 @@ def quantize_mx(
         raise ValueError(f"quantize_mx: block_size must be a positive even number, got {block_size}")
     k = x.shape[-1]
     if fmt is FP4_E2M1 and k % 2:
-        raise ValueError(f"quantize_mx: FP4 packs two values a byte, so K must be even; got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"quantize_mx: FP4 packs two values a byte, so K must be even; got shape {tuple(x.shape)}"
+        )
     groups = -(-k // block_size)
     lead = x.shape[:-1]
     rows = x.numel() // k if k else 0
@@ -192,14 +194,24 @@ def dequantize_mx(
         n = d.shape[0]
         s = e8m0_to_float(flat_scale[start : start + step], compute)
         if fmt is FP4_E2M1:
+            # One gather of both values of a byte, read as a single 32/64-bit word.
             table = byte_to_pair_table(data.device, compute)
-            vals = table.index_select(0, d.reshape(-1).to(torch.int32)).reshape(n, k)
+            words = table.view(torch.int32 if compute == torch.bfloat16 else torch.int64).reshape(256)
+            vals = words.index_select(0, d.reshape(-1).to(torch.int32)).view(compute).reshape(n, k)
         else:
             vals = d.to(compute)
         if pad:
             vals = torch.nn.functional.pad(vals, (0, pad))
-        prod = vals.reshape(n, groups, block_size) * s.unsqueeze(-1)
-        out[start : start + step] = prod.reshape(n, groups * block_size)[:, :k]
+            prod = vals.reshape(n, groups, block_size) * s.unsqueeze(-1)
+            out[start : start + step] = prod.reshape(n, groups * block_size)[:, :k]
+        elif compute == dtype:
+            torch.mul(
+                vals.view(n, groups, block_size),
+                s.unsqueeze(-1),
+                out=out[start : start + step].view(n, groups, block_size),
+            )
+        else:
+            out[start : start + step] = (vals.view(n, groups, block_size) * s.unsqueeze(-1)).view(n, k)
     return out.reshape(*lead, k)
 
 
