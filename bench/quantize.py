@@ -77,12 +77,14 @@ def main() -> None:
             t = timed(lambda x=x, rule=rule: quantize_mx(x, scale_rule=rule), args.repeats, device)
             rows.append((f"quantize fp4/{rule}", t, nbytes / t))
         data, scale = quantize_mx(x)
-        t = timed(lambda: dequantize_mx(data, scale, dtype=torch.bfloat16), args.repeats, device)
+        t = timed(lambda d=data, s=scale: dequantize_mx(d, s, dtype=torch.bfloat16), args.repeats, device)
         rows.append(("dequantize fp4", t, nbytes / t))
         t = timed(lambda x=x: quantize_dualscale(x), args.repeats, device)
         rows.append(("quantize dual-scale", t, nbytes / t))
         dd, ds, dl0 = quantize_dualscale(x)
-        t = timed(lambda: dequantize_dualscale(dd, ds, dl0, dtype=torch.bfloat16), args.repeats, device)
+        t = timed(
+            lambda q=(dd, ds, dl0): dequantize_dualscale(*q, dtype=torch.bfloat16), args.repeats, device
+        )
         rows.append(("dequantize dual-scale", t, nbytes / t))
         for name, t, rate in rows:
             print(f"{n:>5}x{n:<4} {name:<24} {t * 1e3:9.2f} {rate / 1e9:8.2f} {t / t_copy:8.1f}")

@@ -13,6 +13,7 @@ from vllm_omni_mxfp4.formats import (
     dequantize_mx,
     e2m1_decode,
     e2m1_encode,
+    fake_quantize_mx,
     pack_fp4,
     quantize_mx,
     unpack_fp4,
@@ -382,3 +383,19 @@ def test_cuda_matches_cpu():
                 dequantize_mx(d_gpu, s_gpu, elem=elem).cpu().nan_to_num(),
                 dequantize_mx(d_cpu, s_cpu, elem=elem).nan_to_num(),
             )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rule,elem", [("floor", "fp4"), ("uos", "fp4"), ("rceil", "fp4"), ("floor", "fp8")])
+def test_fake_quantize_equals_dequantize_of_quantize(dtype, rule, elem):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 1000, generator=g) * torch.exp(2 * torch.randn(70, 1000, generator=g))
+    x[3, 5] = math.nan
+    x[4, 100] = math.inf
+    x[5, :32] = 0.0
+    x = x.to(dtype)
+    qdq = fake_quantize_mx(x, elem=elem, scale_rule=rule)
+    want = dequantize_mx(*quantize_mx(x, elem=elem, scale_rule=rule), elem=elem, dtype=dtype)
+    assert qdq.dtype == dtype and qdq.shape == x.shape
+    assert torch.equal(qdq.isnan(), want.isnan())
+    assert torch.equal(qdq.nan_to_num(0.0), want.nan_to_num(0.0))

@@ -6,7 +6,7 @@ Pure torch, any device. This package is the ground truth the backends are tested
 from .dualscale import DUAL_BLOCK_SIZE, dequantize_dualscale, level0_scales, quantize_dualscale
 from .e2m1 import E2M1_MAX, E2M1_VALUES, e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
 from .layout import from_npu_scale_layout, pad_last_dim, to_npu_scale_layout
-from .mx import MX_BLOCK_SIZE, block_amax, dequantize_mx, quantize_mx
+from .mx import MX_BLOCK_SIZE, block_amax, dequantize_mx, fake_quantize_mx, quantize_mx
 from .scale_rules import (
     NAN_CODE,
     SCALE_RULES,
@@ -29,6 +29,7 @@ __all__ = [
     "e2m1_decode",
     "e2m1_encode",
     "e8m0_to_float",
+    "fake_quantize_mx",
     "from_npu_scale_layout",
     "level0_scales",
     "pack_fp4",

@@ -92,6 +92,17 @@ def bf16_pattern_to_code_table(device: torch.device) -> torch.Tensor:
 
 
 @functools.cache
+def bf16_pattern_to_value_table(device: torch.device) -> torch.Tensor:
+    """int16 table of 65536 entries: bf16 bit pattern of the E2M1 value nearest each bf16 value.
+
+    Used by the fused quantize-dequantize path, which never materialises codes.
+    """
+    codes = bf16_pattern_to_code_table(torch.device("cpu"))
+    values = _decode_table(torch.device("cpu"), torch.float32)[codes.long()].to(torch.bfloat16)
+    return values.view(torch.int16).to(device)
+
+
+@functools.cache
 def byte_to_pair_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """(256, 2) table: the two E2M1 values of a packed byte (low nibble first), in ``dtype``."""
     byte = torch.arange(256, dtype=torch.int32)

@@ -21,6 +21,7 @@ import torch
 
 from .e2m1 import (
     bf16_pattern_to_code_table,
+    bf16_pattern_to_value_table,
     bf16_to_code_index,
     byte_to_pair_table,
     fp32_to_code_index,
@@ -213,6 +214,55 @@ def dequantize_mx(
         else:
             out[start : start + step] = (vals.view(n, groups, block_size) * s.unsqueeze(-1)).view(n, k)
     return out.reshape(*lead, k)
+
+
+def fake_quantize_mx(x: torch.Tensor, *, elem: str = "fp4", scale_rule: str = "floor") -> torch.Tensor:
+    """Quantize-dequantize: the values ``dequantize_mx(*quantize_mx(x))`` in ``x``'s dtype.
+
+    One pass without packing, for activations in the emulated backend. The result is exact when
+    every dequantized value is representable in ``x``'s dtype (always for bf16 and fp32; fp16 can
+    underflow for blocks near its range limits).
+    """
+    _check_input(x, "fake_quantize_mx")
+    fmt = elem_format(elem)
+    check_rule(scale_rule, fmt)
+    k = x.shape[-1]
+    groups = -(-k // MX_BLOCK_SIZE)
+    pad = groups * MX_BLOCK_SIZE - k
+    rows = x.numel() // k if k else 0
+    flat = x.reshape(rows, k)
+    out = torch.empty_like(flat)
+    if rows == 0 or k == 0:
+        return out.reshape(x.shape)
+    step = _chunk_rows(rows, k + pad, x.device)
+    for start in range(0, rows, step):
+        chunk = flat[start : start + step]
+        if pad:
+            chunk = torch.nn.functional.pad(chunk, (0, pad))
+        n = chunk.shape[0]
+        blocks = chunk.reshape(n, groups, MX_BLOCK_SIZE)
+        amax = block_amax_for_rule(block_amax(blocks), blocks.dtype, scale_rule)
+        codes = shared_exponent_codes(amax, scale_rule, fmt.name)
+        recip = recip_scale(codes, scale_rule).unsqueeze(-1)
+        scale = e8m0_to_float(codes).unsqueeze(-1)
+        if fmt is FP8_E4M3:
+            y = (blocks.float() * recip).clamp_(-fmt.max_value, fmt.max_value).to(torch.float8_e4m3fn)
+            values = y.float() * scale
+        elif blocks.dtype == torch.bfloat16:
+            table = bf16_pattern_to_value_table(blocks.device)
+            y = bf16_to_code_index(blocks * recip.to(torch.bfloat16))
+            values = table.index_select(0, y.reshape(-1)).view(torch.bfloat16).reshape(blocks.shape)
+            values = values * scale.to(torch.bfloat16)
+        else:
+            table = bf16_pattern_to_value_table(blocks.device)
+            y = fp32_to_code_index(blocks.float() * recip)
+            values = (
+                table.index_select(0, y.reshape(-1)).view(torch.bfloat16).reshape(blocks.shape).float()
+                * scale
+            )
+        values = torch.where(codes.unsqueeze(-1) == NAN_CODE, torch.full_like(values, float("nan")), values)
+        out[start : start + step] = values.reshape(n, groups * MX_BLOCK_SIZE)[:, :k]
+    return out.reshape(x.shape)
 
 
 def mx_nan_blocks(scale: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,32 @@
-"""vLLM-Omni general plugin: registers the ``mxfp4`` and ``mxfp4_dualscale`` builders."""
+"""vLLM-Omni general plugin: makes ``mxfp4`` and ``mxfp4_dualscale`` ours in every process.
+
+vLLM-Omni loads entry points of group ``vllm_omni.general_plugins`` once per process (engine,
+stage processes, diffusion workers) before it builds quantization configs. :func:`register` adds
+our builders through ``vllm_omni.quantization.factory.register_quantization_override``, which only
+vLLM-Omni's diffusion factory consults: vLLM core's own ``mxfp4`` (its MoE method for LLM
+stages, resolved through vLLM's registry) is left untouched.
+"""
 
 from __future__ import annotations
 
+import logging
+
+logger = logging.getLogger(__name__)
+
+_registered = False
+
 
 def register() -> None:
-    """Entry point of group ``vllm_omni.general_plugins``; idempotent."""
-    return None
+    """Register the two builders with vLLM-Omni's quantization factory; idempotent."""
+    global _registered
+    if _registered:
+        return
+    from vllm_omni.quantization.factory import register_quantization_override
+
+    from .mxfp4 import Mxfp4QuantizationConfig
+    from .mxfp4_dualscale import Mxfp4DualScaleQuantizationConfig
+
+    register_quantization_override("mxfp4", Mxfp4QuantizationConfig.from_kwargs)
+    register_quantization_override("mxfp4_dualscale", Mxfp4DualScaleQuantizationConfig.from_kwargs)
+    _registered = True
+    logger.debug("vllm-omni-mxfp4: registered mxfp4 and mxfp4_dualscale with vLLM-Omni")
