@@ -33,6 +33,12 @@ class MxLayerSpec:
     in_features: int  # K of this partition
     out_features: int  # N of this partition
     has_smooth: bool  # a non-trivial Smooth multiplier (layer buffer ``_mx_smooth``) precedes quantization
+    # A row-parallel shard whose K range does not start/end on a scale-block boundary (DualScale
+    # with K/TP not a multiple of 512): its checkpoint tensors cover the whole blocks it touches,
+    # and the backend pads weights and activations with this many zero elements before/after K so
+    # that blocks line up with the checkpoint's. Zero otherwise.
+    k_pad_front: int = 0
+    k_pad_back: int = 0
 
 
 class MxBackend(ABC):

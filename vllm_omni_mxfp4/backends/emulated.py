@@ -119,8 +119,11 @@ class EmulatedBackend(MxBackend):
         if spec.has_smooth:
             x = x * layer._mx_smooth.to(x.dtype)
         if spec.dual_scale:
-            data, scale, dual = quantize_dualscale(x)
-            xq = dequantize_dualscale(data, scale, dual, dtype=torch.float32)
+            front, back = spec.k_pad_front, spec.k_pad_back
+            xp = torch.nn.functional.pad(x, (front, back)) if (front or back) else x
+            xq = dequantize_dualscale(*quantize_dualscale(xp), dtype=torch.float32)
+            if front or back:
+                xq = xq[:, front : front + spec.in_features]
         elif a8:
             xq = fake_quantize_mx(x, elem="fp8", scale_rule="floor")
         else:
