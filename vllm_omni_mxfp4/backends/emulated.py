@@ -89,11 +89,16 @@ class EmulatedBackend(MxBackend):
 
     def _dequantized_weight(self, layer: torch.nn.Module, spec: MxLayerSpec) -> torch.Tensor:
         dtype = self._weight_dtype(spec)
+        packed = layer.weight
+        front, back = spec.k_pad_front, spec.k_pad_back
+        if front or back:
+            # Scales cover whole blocks past this shard's K range: line the bytes up with them.
+            packed = torch.nn.functional.pad(packed, (front // 2, back // 2))
         if spec.dual_scale:
-            return dequantize_dualscale(
-                layer.weight, layer.weight_scale, layer.weight_dual_scale, dtype=dtype
-            )
-        return dequantize_mx(layer.weight, layer.weight_scale, dtype=dtype)
+            w = dequantize_dualscale(packed, layer.weight_scale, layer.weight_dual_scale, dtype=dtype)
+        else:
+            w = dequantize_mx(packed, layer.weight_scale, dtype=dtype)
+        return w[:, front : front + spec.in_features] if (front or back) else w
 
     def prepare(self, layer: torch.nn.Module, spec: MxLayerSpec) -> None:
         cached = self._dequantized_weight(layer, spec) if self.cache_dequantized else None

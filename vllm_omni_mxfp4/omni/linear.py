@@ -89,11 +89,27 @@ def _linear_op_fake(x: torch.Tensor, bias: torch.Tensor | None, handle: int) -> 
 
 @dataclass
 class _LoadState:
-    """Per-layer loading bookkeeping (plain Python, not in the state dict)."""
+    """Per-layer loading bookkeeping (plain Python, not in the state dict).
+
+    A row-parallel shard owns K elements ``[k0, k0 + k)`` of the checkpoint's ``k_full``. When that
+    range does not start or end on a scale-block boundary (DualScale: 512; single scale: 32), the
+    shard keeps the scales of every block it touches and pads ``front`` / ``back`` zero elements
+    around its K at run time so that blocks line up; its online weight is quantized over that
+    block-aligned range, exactly as TP=1 quantizes those blocks.
+    """
 
     k_full: int
+    k: int
+    k0: int = 0
+    front: int = 0
+    back: int = 0
+    sharded: bool = False
     loaded: dict[str, int] = field(default_factory=dict)
     load_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def k_padded(self) -> int:
+        return self.front + self.k + self.back
 
 
 class MxLinearMethod(LinearMethodBase):
@@ -146,23 +162,29 @@ class MxLinearMethod(LinearMethodBase):
         layer_loader = extra_weight_attrs.pop("weight_loader")
         self._layer_loader = layer_loader
         n, k = sum(output_partition_sizes), input_size_per_partition
-        self._check_shapes(layer, k, input_size)
+        if k % 2:
+            raise ValueError(f"{self.prefix}: MXFP4 needs an even input size per partition, got K={k}")
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition = k
         layer.output_size_per_partition = n
         layer.orig_dtype = params_dtype
         default_device = torch.get_default_device()
-        layer._mx_load = _LoadState(
-            k_full=input_size,
-            load_device=torch.device("cpu") if default_device.type == "meta" else default_device,
-        )
+        state = self._shard_geometry(layer, k, input_size)
+        state.load_device = torch.device("cpu") if default_device.type == "meta" else default_device
+        layer._mx_load = state
         layer._mx_spec = None
         handle = next(_HANDLES)
         _LAYERS[handle] = weakref.ref(layer)
         layer._mx_handle = handle
         if self.online:
-            weight = Parameter(torch.empty(n, k, dtype=params_dtype, device="meta"), requires_grad=False)
-            self._register(layer, "weight", weight, {"input_dim": 1, "output_dim": 0}, layer_loader)
+            weight = torch.empty(n, state.k_padded, dtype=params_dtype, device="meta")
+            self._register(
+                layer,
+                "weight",
+                Parameter(weight, requires_grad=False),
+                {"input_dim": 1, "output_dim": 0},
+                layer_loader,
+            )
             return
         packed = torch.empty(n, k // 2, dtype=torch.uint8)
         self._register(
@@ -172,7 +194,7 @@ class MxLinearMethod(LinearMethodBase):
             {"input_dim": 1, "output_dim": 0, "is_checkpoint_required": True},
             layer_loader,
         )
-        scale = torch.empty(n, -(-k // MX_BLOCK_SIZE), dtype=torch.uint8)
+        scale = torch.empty(n, -(-state.k_padded // MX_BLOCK_SIZE), dtype=torch.uint8)
         self._register(
             layer,
             "weight_scale",
@@ -180,7 +202,7 @@ class MxLinearMethod(LinearMethodBase):
             {"input_dim": 1, "output_dim": 0, "is_checkpoint_required": True},
             layer_loader,
         )
-        self._extra_checkpoint_params(layer, n, k)
+        self._extra_checkpoint_params(layer, n, state.k_padded)
         smooth = torch.full((k,), float("nan"), dtype=torch.float32)
         self._register(
             layer,
@@ -195,19 +217,27 @@ class MxLinearMethod(LinearMethodBase):
             layer_loader,
         )
 
-    def _check_shapes(self, layer: torch.nn.Module, k: int, k_full: int) -> None:
-        if k % 2:
-            raise ValueError(f"{self.prefix}: MXFP4 needs an even input size per partition, got K={k}")
-        if k != k_full:
-            block = DUAL_BLOCK_SIZE if self.dual_scale else MX_BLOCK_SIZE
-            if k % block:
-                tp = k_full // k
-                raise ValueError(
-                    f"{self.prefix}: {self.method_name} shards the input dimension K={k_full} over "
-                    f"tensor-parallel size {tp} into {k} per rank, which is not a multiple of the "
-                    f"{block}-element scale block. Use a tensor-parallel size that divides K into "
-                    f"multiples of {block}."
-                )
+    def _shard_geometry(self, layer: torch.nn.Module, k: int, k_full: int) -> _LoadState:
+        """Where this partition's K sits in the checkpoint's, and the padding that aligns it."""
+        if not (isinstance(layer, RowParallelLinear) and layer.tp_size > 1):
+            return _LoadState(k_full=k_full, k=k)
+        block = DUAL_BLOCK_SIZE if self.dual_scale else MX_BLOCK_SIZE
+        k0 = layer.tp_rank * k
+        front, back = k0 % block, -(k0 + k) % block
+        if front or back:
+            logger.info(
+                "%s: K=%d split over TP=%d gives %d per rank, not a multiple of %d; rank %d pads %d+%d zero "
+                "inputs to line its blocks up with the checkpoint's",
+                self.prefix,
+                k_full,
+                layer.tp_size,
+                k,
+                block,
+                layer.tp_rank,
+                front,
+                back,
+            )
+        return _LoadState(k_full=k_full, k=k, k0=k0, front=front, back=back, sharded=True)
 
     def _register(
         self,
@@ -240,11 +270,14 @@ class MxLinearMethod(LinearMethodBase):
             counter = _CopyCounter(target)
             try:
                 with counter:
-                    layer_loader(target, loaded_weight, *args)
-            except AssertionError as exc:
+                    if layer._mx_load.sharded:
+                        target.data.copy_(self._row_shard(layer, name, loaded_weight))
+                    else:
+                        layer_loader(target, loaded_weight, *args)
+            except (AssertionError, RuntimeError) as exc:
                 raise ValueError(
                     f"{self.prefix}.{name}: checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit "
-                    f"the parameter of shape {tuple(target.shape)} (layer {type(layer).__name__})"
+                    f"the parameter of shape {tuple(target.shape)} (layer {type(layer).__name__}): {exc}"
                 ) from exc
             loaded = layer._mx_load.loaded.get(name, 0) + counter.count
             layer._mx_load.loaded[name] = loaded
@@ -261,6 +294,22 @@ class MxLinearMethod(LinearMethodBase):
         set_weight_attrs(real, {k: v for k, v in vars(meta).items() if not k.startswith("_")})
         layer.register_parameter(name, real)
         return real
+
+    def _row_shard(self, layer: torch.nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full checkpoint tensor of a row-parallel layer (K is sharded)."""
+        st = layer._mx_load
+        lo, hi = st.k0 - st.front, st.k0 + st.k + st.back  # block-aligned element range
+        if name == "mul_scale":
+            return t[st.k0 : st.k0 + st.k]
+        if name == "weight" and not self.online:
+            return t[:, st.k0 // 2 : (st.k0 + st.k) // 2]
+        if name == "weight":
+            return _columns(t, lo, hi)
+        if name == "weight_scale":
+            return _columns(t, lo // MX_BLOCK_SIZE, hi // MX_BLOCK_SIZE)
+        if name == "weight_dual_scale":
+            return _columns(t, lo // DUAL_BLOCK_SIZE, hi // DUAL_BLOCK_SIZE)
+        raise ValueError(f"{self.prefix}.{name}: no row-parallel sharding rule for this tensor")
 
     def _check_checkpoint_tensor(self, layer: torch.nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
         """Validate a checkpoint tensor against the format; returns it in the parameter's layout."""
@@ -311,11 +360,14 @@ class MxLinearMethod(LinearMethodBase):
     def _quantize_online(self, layer: torch.nn.Module) -> None:
         """Quantize the completely loaded BF16 weight and drop it."""
         weight = layer.weight.data
+        st = layer._mx_load
         if self.dual_scale:
             packed, scale, dual = self.backend.quantize_weight_dualscale(weight)
         else:
             packed, scale = self.backend.quantize_weight(weight, self.weight_scale_rule)
             dual = None
+        if st.front or st.back:
+            packed = packed[:, st.front // 2 : (st.front + st.k) // 2].contiguous()
         attrs = {"input_dim": 1, "output_dim": 0}
         layer.register_parameter("weight", Parameter(packed, requires_grad=False))
         set_weight_attrs(layer.weight, attrs)
@@ -392,6 +444,8 @@ class MxLinearMethod(LinearMethodBase):
             in_features=layer.input_size_per_partition,
             out_features=layer.output_size_per_partition,
             has_smooth=smooth is not None,
+            k_pad_front=layer._mx_load.front,
+            k_pad_back=layer._mx_load.back,
         )
         self.backend.prepare(layer, spec)
         layer._mx_spec = spec
@@ -445,6 +499,10 @@ def _as_packed(t: torch.Tensor, k_full: int, where: str) -> torch.Tensor:
     return pack_fp4(codes)
 
 
-def row_parallel(layer: torch.nn.Module) -> bool:
-    """Whether the layer shards its input dimension across tensor-parallel ranks."""
-    return isinstance(layer, RowParallelLinear) and layer.tp_size > 1
+def _columns(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Columns [lo, hi) of dim 1, zero-filled past the end (a shard's last block past K)."""
+    have = t[:, lo : min(hi, t.shape[1])]
+    if have.shape[1] == hi - lo:
+        return have
+    pad = torch.zeros((t.shape[0], hi - lo - have.shape[1], *t.shape[2:]), dtype=t.dtype, device=t.device)
+    return torch.cat((have, pad), dim=1)
