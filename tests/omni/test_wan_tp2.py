@@ -1,0 +1,162 @@
+"""TP=2 for real: two processes over gloo run the tiny vLLM-Omni Wan2.2 transformer.
+
+Each rank builds the expert with vLLM-Omni's factory and loader, then runs one forward in float32
+with the emulated backend. Rank 0's output must equal a TP=1 run up to float32 summation order.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.omni, pytest.mark.slow]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, spec, model_dir: str, results) -> None:
+    try:
+        torch.set_num_threads(1)
+        from vllm.config import LoadConfig
+        from vllm.config.vllm import set_current_vllm_config
+        from vllm_omni.diffusion.data import OmniDiffusionConfig
+        from vllm_omni.diffusion.distributed.parallel_state import (
+            destroy_distributed_environment,
+            destroy_model_parallel,
+            init_distributed_environment,
+            initialize_model_parallel,
+        )
+        from vllm_omni.diffusion.forward_context import set_forward_context
+        from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+        from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2 import (
+            create_transformer_from_config,
+            load_transformer_config,
+        )
+        from vllm_omni.plugins import load_omni_general_plugins
+        from vllm_omni.quantization import build_quant_config
+
+        load_omni_general_plugins()
+        od = OmniDiffusionConfig(model=None, dtype=torch.float32, num_gpus=world)
+        od.parallel_config.tensor_parallel_size = world
+        from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
+
+        vcfg = create_diffusion_vllm_config(torch.device("cpu"), od)
+        with set_forward_context(vllm_config=vcfg, omni_diffusion_config=od), set_current_vllm_config(vcfg):
+            init_distributed_environment(
+                world_size=world,
+                rank=rank,
+                local_rank=rank,
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
+                backend="gloo",
+            )
+            initialize_model_parallel(
+                tensor_parallel_size=world, data_parallel_size=1, sequence_parallel_size=1, backend="gloo"
+            )
+            cfg = load_transformer_config(model_dir, "transformer")
+            model = create_transformer_from_config(cfg, build_quant_config(spec), component="transformer")
+            model.weights_sources = [DiffusersPipelineLoader.ComponentSource(model_dir, "transformer", None)]
+            loader = DiffusersPipelineLoader(LoadConfig(), od)
+            loader.load_weights(model)
+            loader._process_weights_after_loading(model, torch.device("cpu"))
+            g = torch.Generator().manual_seed(0)
+            hs = torch.randn(1, 16, 3, 8, 8, generator=g)
+            ehs = torch.randn(1, 16, 32, generator=g)
+            with torch.no_grad():
+                out = model(
+                    hidden_states=hs,
+                    timestep=torch.tensor([500]),
+                    encoder_hidden_states=ehs,
+                    return_dict=False,
+                )[0]
+            shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith("blocks.0.")}
+        destroy_model_parallel()
+        destroy_distributed_environment()
+        results.put((rank, "ok", out.numpy().copy(), shapes))  # by value: the child exits first
+    except BaseException:  # report to the parent instead of hanging it
+        import traceback
+
+        results.put((rank, "error", traceback.format_exc(), None))
+
+
+def _run(world: int, spec, model_dir) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, spec, str(model_dir), results))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(world):
+            rank, status, payload, shapes = results.get(timeout=400)
+            assert status == "ok", payload
+            got[rank] = (torch.from_numpy(payload), shapes)
+    except queue.Empty:
+        pytest.fail(f"TP={world} ranks did not report within the time limit")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+@pytest.fixture(scope="module")
+def tiny_dir():
+    from vllm_omni_mxfp4.demo.tiny_wan import build_tiny_wan
+
+    return build_tiny_wan(2)
+
+
+@pytest.mark.parametrize(
+    "spec,tol",
+    [
+        ({"method": "mxfp4", "backend": "emulated"}, 1e-4),
+        # W4A8 rounds each rank's partial output to bf16 (the NPU mixed kernel's output dtype)
+        # before the all-reduce, where TP=1 rounds the full sum once.
+        (
+            {
+                "method": "mxfp4",
+                "w4a8_fallback_layers": ["blocks.1.ffn.net_2"],
+                "mxfp4_scale_alg": 2,
+                "backend": "emulated",
+            },
+            2e-3,
+        ),
+    ],
+    ids=["ocp", "uos_w4a8"],
+)
+def test_tp2_equals_tp1(tiny_dir, spec, tol):
+    tp1 = _run(1, spec, tiny_dir)[0][0]
+    tp2 = _run(2, spec, tiny_dir)
+    out0, shapes0 = tp2[0]
+    out1, _ = tp2[1]
+    assert torch.equal(out0, out1)  # both ranks hold the full output
+    assert shapes0["blocks.0.attn1.to_qkv.weight"] == (768, 256)  # column: half of 3 x 512 rows, packed K
+    assert shapes0["blocks.0.ffn.net_2.weight"] == (512, 256)  # row: half of K=1024, packed
+    assert shapes0["blocks.0.ffn.net_2.weight_scale"] == (512, 16)
+    assert torch.allclose(out0, tp1, rtol=tol, atol=tol), (out0 - tp1).abs().max()
+
+
+def test_tp2_dualscale_with_unaligned_row_shards(tiny_dir):
+    spec = {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0, "backend": "emulated"}
+    tp1 = _run(1, spec, tiny_dir)[0][0]
+    tp2 = _run(2, spec, tiny_dir)
+    out0, shapes0 = tp2[0]
+    # attn1.to_out has K=512: 256 per rank, half a 512-chunk. Each rank keeps the chunk's coarse scale
+    # and pads its K; activations are quantized per rank, so the output is close to TP=1, not equal.
+    assert shapes0["blocks.0.attn1.to_out.weight"] == (512, 128)
+    assert shapes0["blocks.0.attn1.to_out.weight_dual_scale"] == (512, 1, 1)
+    cos = torch.nn.functional.cosine_similarity(out0.flatten(), tp1.flatten(), dim=0).item()
+    assert cos > 0.999
