@@ -3,14 +3,216 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import re
+import signal
 import sys
+from collections.abc import Callable
+
+MERGE_DESCRIPTION = """\
+Merge msModelSlim W4A4 MXFP4 output (W4A4_MXFP4 or W4A4_MXFP4_DUALSCALE, either saver, sharded or not)
+into a copy of the original BF16 diffusers Wan2.2 pipeline. The quantized transformers get diffusers
+tensor names, the quantized tensors overlaid on the BF16 original, and a quantization_config in
+config.json, so vLLM-Omni loads the result with no --quantization flag. Everything is validated
+before anything is written; the output is built beside the target and renamed into place at the
+end, so a failure or an interruption leaves no output directory.
+
+Exit status: 0 success, 2 usage or validation error, 1 I/O error, 130 SIGINT, 143 SIGTERM."""
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5 * 10**9, ``"512MiB"`` -> 512 * 2**20, ``"1000"`` -> 1000 bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}; use e.g. 5GB, 500MB, 512MiB or a byte count"
+        )
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}; it must be positive")
+    return size
+
+
+def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``merge`` (shared with tools/merge_mxfp4_dualscale_checkpoint.py)."""
+    from .checkpoint import AUTO, MODEL_TYPES, NON_BLOCK_POLICIES, WEIGHT_LAYOUTS
+
+    parser.add_argument(
+        "--model-type",
+        required=True,
+        choices=[*MODEL_TYPES, AUTO],
+        help="Model variant; two-expert types map high_noise_model -> transformer and low_noise_model -> "
+        "transformer_2. 'auto' reads the original's model_index.json.",
+    )
+    parser.add_argument("--original-model", required=True, help="Original BF16 diffusers pipeline directory.")
+    parser.add_argument(
+        "--quant-path",
+        required=True,
+        help="msModelSlim output directory (with high_noise_model/ and low_noise_model/ for two experts).",
+    )
+    parser.add_argument("--output-path", required=True, help="Merged pipeline directory to create.")
+    parser.add_argument(
+        "--weight-layout",
+        choices=WEIGHT_LAYOUTS,
+        default="packed",
+        help="packed: uint8 (N, K/2) FP4 pairs, low nibble first (default; a quarter of numeric). "
+        "numeric: the FP4 values as BF16 (N, K), for loaders that expect them.",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="Shard each transformer's weights into files of at most SIZE (e.g. 5GB, 512MiB) plus "
+        "diffusion_pytorch_model.safetensors.index.json. Default: one file.",
+    )
+    parser.add_argument(
+        "--non-block-quantized",
+        choices=NON_BLOCK_POLICIES,
+        default="error",
+        help="What to do with quantized Linears outside the transformer blocks (embedders, proj_out), which "
+        "vLLM-Omni always runs in BF16: 'error' (default) or take them from the 'original' BF16 weights.",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="Validate and report; write nothing.")
+    parser.add_argument("--overwrite", action="store_true", help="Replace an existing output directory.")
+    parser.add_argument("--json", action="store_true", help="Print a machine-readable JSON report instead.")
+
+
+def _human(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def format_merge_summary(report) -> str:
+    """The human-readable end-of-run summary of a :class:`~vllm_omni_mxfp4.checkpoint.MergeReport`."""
+    head = "dry run, nothing written:" if report.dry_run else "merged"
+    lines = [f"{head} {report.model_type} -> {report.output_path} ({report.weight_layout} weights)"]
+    width = max(len(t.name) for t in report.transformers)
+    for t in report.transformers:
+        source = t.quant_dir.rsplit("/", 1)[-1]
+        smooth = f", Smooth on {t.smooth_layers}" if t.smooth_layers else ""
+        require = (
+            ""
+            if t.require_smooth_scale is None
+            else f", require_smooth_scale={str(t.require_smooth_scale).lower()}"
+        )
+        lines.append(
+            f"  {t.name:<{width}} <- {source}: {t.quant_method}, {t.layers_quantized} layers quantized, "
+            f"{t.layers_bf16} kept BF16 ({len(t.ignored_layers)} ignored_layers){smooth}{require}; "
+            f"{_human(t.bytes_in)} in, {_human(t.bytes_out)} out, {t.seconds:.2f} s"
+        )
+        lines.extend(f"    warning: {w}" for w in t.warnings)
+    lines.append(
+        f"  copied {report.copied_files} other pipeline files ({_human(report.copied_bytes)}); "
+        f"total {report.seconds:.2f} s"
+    )
+    return "\n".join(lines)
+
+
+class _Terminated(Exception):
+    """Raised in the main thread by the SIGTERM handler, so that the merge cleans up."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    """Run ``merge`` for parsed arguments; prints the summary or the error; returns the exit status."""
+    from .checkpoint import CheckpointError, merge
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+
+    def fail(message: str, status: int) -> int:
+        if args.json:
+            print(json.dumps({"ok": False, "error": message}))
+        else:
+            print(f"error: {message}", file=sys.stderr)
+        return status
+
+    try:
+        report = merge(
+            args.model_type,
+            args.original_model,
+            args.quant_path,
+            args.output_path,
+            weight_layout=args.weight_layout,
+            max_shard_size=args.max_shard_size,
+            dry_run=args.dry_run,
+            overwrite=args.overwrite,
+            non_block_quantized=args.non_block_quantized,
+        )
+    except CheckpointError as exc:
+        return fail(str(exc), 2)
+    except KeyboardInterrupt:
+        return fail("interrupted; no output was written", 130)
+    except _Terminated:
+        return fail("terminated; no output was written", 143)
+    except OSError as exc:
+        return fail(f"{exc}; no output was written", 1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if args.json:
+        print(json.dumps({"ok": True, **report.to_dict()}, indent=2))
+    else:
+        print(format_merge_summary(report))
+    return 0
+
+
+def _add_merge_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "merge",
+        help="Merge msModelSlim MXFP4 output into a diffusers Wan2.2 checkpoint.",
+        description=MERGE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_merge_arguments(parser)
+    parser.set_defaults(func=run_merge)
+
+
+#: One small function per subcommand; each adds its sub-parser and sets ``func``.
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_merge_command,)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; each subcommand adds its own sub-parser."""
     parser = argparse.ArgumentParser(prog="vllm-omni-mxfp4", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for register in SUBCOMMANDS:
+        register(subparsers)
     return parser
+
+
+def merge_main(argv: list[str] | None = None) -> int:
+    """``merge`` as a standalone program (tools/merge_mxfp4_dualscale_checkpoint.py)."""
+    parser = argparse.ArgumentParser(
+        prog="merge_mxfp4_dualscale_checkpoint.py",
+        description=MERGE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_merge_arguments(parser)
+    return run_merge(parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:

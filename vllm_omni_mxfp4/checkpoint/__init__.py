@@ -1,0 +1,33 @@
+"""msModelSlim -> diffusers checkpoint tools: readers, the Wan2.2 name tables, a streaming writer, the merge.
+
+Importing this package does not import torch: the merge streams bytes and validates with numpy.
+"""
+
+from .errors import CheckpointError
+from .merger import AUTO, MODEL_TYPES, MergeReport, merge, resolve_model_type
+from .names import (
+    diffusers_to_wan,
+    is_runtime_quantizable,
+    runtime_layer_name,
+    strip_smooth_wrapper,
+    wan_to_diffusers,
+)
+from .plan import NON_BLOCK_POLICIES, WEIGHT_LAYOUTS, TransformerReport, plan_transformer
+
+__all__ = [
+    "AUTO",
+    "MODEL_TYPES",
+    "NON_BLOCK_POLICIES",
+    "WEIGHT_LAYOUTS",
+    "CheckpointError",
+    "MergeReport",
+    "TransformerReport",
+    "diffusers_to_wan",
+    "is_runtime_quantizable",
+    "merge",
+    "plan_transformer",
+    "resolve_model_type",
+    "runtime_layer_name",
+    "strip_smooth_wrapper",
+    "wan_to_diffusers",
+]

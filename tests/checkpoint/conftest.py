@@ -1,0 +1,132 @@
+"""Session fixtures: a tiny BF16 Wan2.2 pipeline and real msModelSlim exports of it (built once)."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_omni_mxfp4.checkpoint import MergeReport, merge
+
+from .producer import (
+    NON_BLOCK_EXCLUDES,
+    ExpertSpec,
+    LayerReference,
+    all_linears,
+    build_pipeline,
+    quantize_expert,
+)
+
+EXPERTS = {"transformer": "high_noise_model", "transformer_2": "low_noise_model"}
+
+# transformer: blocks.0 and the cross-attention K/V of blocks.2 stay FLOAT; Smooth on some layers.
+# transformer_2: blocks.1 stays FLOAT; sharded export; Smooth on other layers.
+DUAL_SPECS = {
+    "transformer": ExpertSpec(
+        "dual",
+        "mindie",
+        exclude=["*blocks.0.*", "blocks.2.cross_attn.k", "blocks.2.cross_attn.v", *NON_BLOCK_EXCLUDES],
+        smooth=[
+            ["blocks.1.self_attn.q", "blocks.1.self_attn.k", "blocks.1.self_attn.v"],
+            ["blocks.1.cross_attn.k", "blocks.1.cross_attn.v"],
+            ["blocks.2.ffn.2"],
+        ],
+    ),
+    "transformer_2": ExpertSpec(
+        "dual",
+        "mindie",
+        exclude=["*blocks.1.*", *NON_BLOCK_EXCLUDES],
+        smooth=[
+            ["blocks.2.self_attn.q", "blocks.2.self_attn.k", "blocks.2.self_attn.v"],
+            ["blocks.0.cross_attn.o"],
+        ],
+        shard_bytes=600_000,
+    ),
+}
+# transformer: Smooth on every quantized layer (require_smooth_scale true), sharded export.
+# transformer_2: Smooth on one layer only (require_smooth_scale false).
+SINGLE_SPECS = {
+    "transformer": ExpertSpec(
+        "single",
+        "ascendv1",
+        exclude=["*blocks.2.*", *NON_BLOCK_EXCLUDES],
+        smooth=all_linears(0) + all_linears(1),
+        shard_bytes=700_000,
+    ),
+    "transformer_2": ExpertSpec(
+        "single", "ascendv1", exclude=["*blocks.0.*", *NON_BLOCK_EXCLUDES], smooth=[["blocks.1.ffn.0"]]
+    ),
+}
+
+
+@dataclass
+class Scenario:
+    """A BF16 pipeline, an msModelSlim export of it and what msModelSlim quantized."""
+
+    original: Path
+    quant: Path
+    states: dict[str, dict[str, torch.Tensor]]
+    references: dict[str, dict[str, LayerReference]]
+    specs: dict[str, ExpertSpec]
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+    pytest.importorskip("diffusers")
+    root = tmp_path_factory.mktemp("orig") / "Wan2.2-T2V-tiny-Diffusers"
+    return root, build_pipeline(root)
+
+
+def _export(tmp_path_factory, pipeline, specs: dict[str, ExpertSpec], name: str) -> Scenario:
+    pytest.importorskip("msmodelslim")
+    original, states = pipeline
+    quant = tmp_path_factory.mktemp(name) / "msmodelslim-output"
+    references = {
+        folder: quantize_expert(states[folder], quant / EXPERTS[folder], spec, seed=i)
+        for i, (folder, spec) in enumerate(specs.items())
+    }
+    return Scenario(original, quant, states, references, specs)
+
+
+@pytest.fixture(scope="session")
+def dual_export(tmp_path_factory, tiny_pipeline) -> Scenario:
+    return _export(tmp_path_factory, tiny_pipeline, DUAL_SPECS, "dual")
+
+
+@pytest.fixture(scope="session")
+def single_export(tmp_path_factory, tiny_pipeline) -> Scenario:
+    return _export(tmp_path_factory, tiny_pipeline, SINGLE_SPECS, "single")
+
+
+@pytest.fixture(scope="session")
+def merged_dual(tmp_path_factory, dual_export) -> tuple[Path, MergeReport]:
+    out = tmp_path_factory.mktemp("merged") / "dual"
+    report = merge("Wan2.2-T2V-A14B", dual_export.original, dual_export.quant, out)
+    return out, report
+
+
+@pytest.fixture(scope="session")
+def merged_single_numeric(tmp_path_factory, single_export) -> tuple[Path, MergeReport]:
+    out = tmp_path_factory.mktemp("merged") / "single-numeric"
+    report = merge(
+        "auto",
+        single_export.original,
+        single_export.quant,
+        out,
+        weight_layout="numeric",
+        max_shard_size=2_000_000,
+    )
+    return out, report
+
+
+@pytest.fixture
+def expert_copy(tmp_path, dual_export):
+    """A writable copy of the dual-scale pipeline + export, for fault injection."""
+    original = tmp_path / "orig"
+    quant = tmp_path / "quant"
+    shutil.copytree(dual_export.original, original)
+    shutil.copytree(dual_export.quant, quant)
+    return original, quant

@@ -1,0 +1,281 @@
+"""Merge an msModelSlim MXFP4 export into a diffusers Wan2.2 pipeline directory.
+
+The output is the original pipeline with each quantized transformer replaced: the diffusers tensor
+names, the quantized tensors (``weight``, ``weight_scale``, ``weight_dual_scale``, ``mul_scale``,
+``bias``) overlaid on the BF16 original, ``quantization_config`` in ``config.json`` (so vLLM-Omni
+detects the method with no flag) and a remapped ``quant_model_description.json`` for reference.
+Every other file of the pipeline is copied byte for byte.
+
+Validation runs first, for all transformers, then the output is built in a staging directory beside
+the target and renamed into place at the end (see :mod:`.staging`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from . import staging
+from .errors import CheckpointError
+from .plan import (
+    DESCRIPTION_NAME,
+    NON_BLOCK_POLICIES,
+    WEIGHT_LAYOUTS,
+    WEIGHTS_BASENAME,
+    TransformerPlan,
+    TransformerReport,
+    plan_transformer,
+)
+from .safetensors_io import write_checkpoint
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+#: model type -> ((diffusers transformer folder, msModelSlim expert folder), ...); "" is the export root.
+MODEL_TYPES: dict[str, tuple[tuple[str, str], ...]] = {
+    "Wan2.2-T2V-A14B": (("transformer", "high_noise_model"), ("transformer_2", "low_noise_model")),
+    "Wan2.2-I2V-A14B": (("transformer", "high_noise_model"), ("transformer_2", "low_noise_model")),
+    "Wan2.2-TI2V-5B": (("transformer", ""),),
+}
+_TWO_EXPERT_PIPELINES = {"WanPipeline": "Wan2.2-T2V-A14B", "WanImageToVideoPipeline": "Wan2.2-I2V-A14B"}
+_SKIPPED_DIRS = frozenset({".git", ".cache"})
+
+
+@dataclass
+class MergeReport:
+    """The result of :func:`merge`; ``to_dict()`` is the ``--json`` output."""
+
+    model_type: str
+    original_model: str
+    quant_path: str
+    output_path: str
+    weight_layout: str
+    dry_run: bool
+    transformers: list[TransformerReport]
+    copied_files: int
+    copied_bytes: int
+    seconds: float
+    removed_stale: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _read_model_index(original: Path) -> dict:
+    path = original / "model_index.json"
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path}: missing; --original-model must be a diffusers pipeline directory"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc})") from None
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return index
+
+
+def _listed_transformers(index: dict) -> list[str]:
+    names = []
+    for key in ("transformer", "transformer_2"):
+        value = index.get(key)
+        if isinstance(value, list) and value and value[0] is not None:
+            names.append(key)
+    return names
+
+
+def resolve_model_type(model_type: str, original: Path) -> str:
+    """The concrete model type: ``model_type`` itself (checked against ``model_index.json``) or, for
+    ``auto``, the one ``model_index.json`` describes."""
+    index = _read_model_index(original)
+    listed = _listed_transformers(index)
+    if model_type == AUTO:
+        pipeline = index.get("_class_name")
+        if listed == ["transformer", "transformer_2"] and pipeline in _TWO_EXPERT_PIPELINES:
+            return _TWO_EXPERT_PIPELINES[pipeline]
+        if listed == ["transformer"] and pipeline == "WanPipeline":
+            return "Wan2.2-TI2V-5B"
+        raise CheckpointError(
+            f"{original / 'model_index.json'}: cannot infer the model type from _class_name {pipeline!r} with "
+            f"transformers {listed}; pass --model-type {'|'.join(MODEL_TYPES)}"
+        )
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(
+            f"unknown model type {model_type!r}; expected one of {', '.join([*MODEL_TYPES, AUTO])}"
+        )
+    expected = [folder for folder, _ in MODEL_TYPES[model_type]]
+    if listed != expected:
+        raise CheckpointError(
+            f"{original / 'model_index.json'}: lists transformers {listed}, but {model_type} has {expected}"
+        )
+    return model_type
+
+
+def _inside(path: Path, other: Path) -> bool:
+    return path == other or other in path.parents
+
+
+def _check_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
+    resolved = output.resolve()
+    for path in inputs:
+        source = path.resolve()
+        if _inside(resolved, source) or _inside(source, resolved):
+            raise CheckpointError(f"output path {output} overlaps the input {path}")
+    if output.exists() or output.is_symlink():
+        if not overwrite:
+            raise CheckpointError(f"output path {output} exists; pass --overwrite to replace it")
+        if not output.is_dir():
+            raise CheckpointError(f"output path {output} exists and is not a directory")
+    if not output.parent.is_dir():
+        raise CheckpointError(f"the parent directory of the output path, {output.parent}, does not exist")
+
+
+def _component_files(original: Path, transformers: set[str]) -> list[Path]:
+    """Every file of the pipeline except the merged transformers (relative paths)."""
+    files = []
+    for root, dirs, names in os.walk(original, followlinks=True):
+        rel = Path(root).relative_to(original)
+        dirs[:] = sorted(
+            d for d in dirs if d not in _SKIPPED_DIRS and not (rel == Path(".") and d in transformers)
+        )
+        files.extend(rel / name for name in sorted(names))
+    return files
+
+
+def _copy_file(src: Path, dst: Path, progress: Callable[[int], None]) -> int:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    shutil.copymode(src, dst)
+    size = dst.stat().st_size
+    progress(size)
+    return size
+
+
+def _write_transformer(plan: TransformerPlan, out_dir: Path, progress: Callable[[int], None]) -> None:
+    start = time.perf_counter()
+    out_dir.mkdir()
+    files = write_checkpoint(out_dir, WEIGHTS_BASENAME, plan.shards, progress)
+    (out_dir / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+    (out_dir / DESCRIPTION_NAME).write_text(json.dumps(plan.description, indent=2) + "\n")
+    for extra in plan.extra_files:
+        if extra.is_dir():
+            shutil.copytree(extra, out_dir / extra.name)
+        else:
+            _copy_file(extra, out_dir / extra.name, progress)
+    plan.report.files = [*files, "config.json", DESCRIPTION_NAME, *(p.name for p in plan.extra_files)]
+    plan.report.bytes_out = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file())
+    plan.report.seconds = round(time.perf_counter() - start, 3)
+
+
+def merge(
+    model_type: str,
+    original_model: str | os.PathLike,
+    quant_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    *,
+    weight_layout: str = "packed",
+    max_shard_size: int | None = None,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    non_block_quantized: str = "error",
+    progress: bool | None = None,
+) -> MergeReport:
+    """Merge msModelSlim MXFP4 output into a copy of the original diffusers pipeline.
+
+    ``model_type`` is a key of :data:`MODEL_TYPES` or ``"auto"``. ``weight_layout`` ``"packed"``
+    keeps the uint8 ``(N, K/2)`` weights, ``"numeric"`` writes their FP4 values as BF16 ``(N, K)``.
+    ``max_shard_size`` (bytes) shards each transformer's weights. ``dry_run`` validates and reports
+    without writing. ``progress`` shows a tqdm bar on stderr (``None``: only on a terminal).
+    Raises :class:`CheckpointError` for invalid input; on any failure or interruption no output is left.
+    """
+    start = time.perf_counter()
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise CheckpointError(f"weight layout {weight_layout!r}; expected one of {', '.join(WEIGHT_LAYOUTS)}")
+    if non_block_quantized not in NON_BLOCK_POLICIES:
+        raise CheckpointError(
+            f"non-block policy {non_block_quantized!r}; expected {', '.join(NON_BLOCK_POLICIES)}"
+        )
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise CheckpointError(f"max shard size must be positive, got {max_shard_size}")
+    original, quant, output = (Path(p).absolute() for p in (original_model, quant_path, output_path))
+    if not original.is_dir():
+        raise CheckpointError(f"original model directory {original} does not exist")
+    if not quant.is_dir():
+        raise CheckpointError(f"quantized export directory {quant} does not exist")
+    resolved_type = resolve_model_type(model_type, original)
+    _check_output(output, [original, quant], overwrite)
+
+    experts = MODEL_TYPES[resolved_type]
+    plans = [
+        plan_transformer(
+            folder,
+            original / folder,
+            quant / expert if expert else quant,
+            weight_layout=weight_layout,
+            max_shard_size=max_shard_size,
+            non_block_quantized=non_block_quantized,
+        )
+        for folder, expert in experts
+    ]
+    components = _component_files(original, {folder for folder, _ in experts})
+    component_bytes = sum((original / rel).stat().st_size for rel in components)
+    report = MergeReport(
+        model_type=resolved_type,
+        original_model=str(original),
+        quant_path=str(quant),
+        output_path=str(output),
+        weight_layout=weight_layout,
+        dry_run=dry_run,
+        transformers=[plan.report for plan in plans],
+        copied_files=len(components),
+        copied_bytes=component_bytes,
+        seconds=0.0,
+    )
+    if dry_run:
+        report.seconds = round(time.perf_counter() - start, 3)
+        return report
+
+    total = component_bytes + sum(plan.report.bytes_out for plan in plans)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="merge",
+        disable=None if progress is None else not progress,
+    )
+    report.removed_stale = [str(p) for p in staging.remove_stale(output)]
+    stage = staging.create(output)
+    try:
+        with bar:
+            for rel in components:
+                _copy_file(original / rel, stage / rel, bar.update)
+            for plan in plans:
+                bar.set_description(f"merge {plan.report.name}")
+                _write_transformer(plan, stage / plan.report.name, bar.update)
+        staging.publish(stage, output, overwrite)
+    except BaseException:
+        staging.discard(stage)
+        raise
+    report.seconds = round(time.perf_counter() - start, 3)
+    for plan in plans:
+        logger.info(
+            "%s: %d layers quantized, %d kept BF16, %d bytes in, %d bytes out, %.2f s",
+            plan.report.name,
+            plan.report.layers_quantized,
+            plan.report.layers_bf16,
+            plan.report.bytes_in,
+            plan.report.bytes_out,
+            plan.report.seconds,
+        )
+    return report
