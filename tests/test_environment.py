@@ -40,8 +40,19 @@ def test_engines_import_in_a_spawned_process():
 
 
 def test_cuda_builds_that_break_vllm_are_absent():
-    for name in ("torchaudio", "torchcodec", "torch_npu"):
+    for name in ("torchcodec", "torch_npu"):
         assert importlib.util.find_spec(name) is None, f"{name} must not be installed in the CPU test env"
+
+
+def test_torchaudio_is_pure_python():
+    """vLLM-Omni's API server imports torchaudio; its CUDA native libraries must be gone."""
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torchaudio")
+    assert spec is not None and spec.submodule_search_locations
+    root = Path(next(iter(spec.submodule_search_locations)))
+    assert not list(root.rglob("*.so"))
+    import torchaudio.functional  # noqa: F401
 
 
 def test_torch_is_the_pinned_cpu_build():

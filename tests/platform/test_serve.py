@@ -1,0 +1,127 @@
+"""``vllm serve <tiny Wan2.2> --omni`` on the CPU platform: one text-to-video request over HTTP.
+
+Uses vLLM-Omni's OpenAI-style video API: ``POST /v1/videos`` (multipart form) creates a job,
+``GET /v1/videos/{id}`` reports its status, ``GET /v1/videos/{id}/content`` returns the MP4.
+The server runs in its own process group; every wait has a deadline, and the group is reaped in
+``finally`` (SIGTERM, then SIGKILL), so no worker outlives the test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omni_procs import log_tail, omni_installed, reap_group, subprocess_env
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.omni,
+    pytest.mark.skipif(not omni_installed(), reason="vllm / vllm-omni not installed"),
+    # vLLM-Omni's API server imports torchaudio (entrypoints/openai/audio_utils_mixin.py) at start-up.
+    pytest.mark.skipif(
+        importlib.util.find_spec("torchaudio") is None,
+        reason="torchaudio is not installed; vLLM-Omni's API server cannot start without it",
+    ),
+]
+
+STARTUP_DEADLINE_S = 300.0
+JOB_DEADLINE_S = 120.0
+HTTP_TIMEOUT_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_until_healthy(base: str, server: subprocess.Popen, log: Path) -> None:
+    import requests
+
+    deadline = time.monotonic() + STARTUP_DEADLINE_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"server exited with {server.returncode} during start-up:\n{log_tail(log)}")
+        try:
+            if requests.get(f"{base}/health", timeout=HTTP_TIMEOUT_S).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(1.0)
+    raise AssertionError(f"server not healthy within {STARTUP_DEADLINE_S:.0f}s:\n{log_tail(log)}")
+
+
+def _decode_mp4(data: bytes) -> np.ndarray:
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+
+
+def test_serve_text_to_video_round_trip(tiny_wan_2e: Path, tmp_path: Path) -> None:
+    import requests
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(tiny_wan_2e),
+        "--omni",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=subprocess_env(), start_new_session=True
+        )
+    leftover: list[int] = []
+    try:
+        _wait_until_healthy(base, server, log)
+
+        form = {
+            "prompt": "a cat walking on the grass",
+            "negative_prompt": "blurry low quality",
+            "width": "16",
+            "height": "16",
+            "num_frames": "9",
+            "num_inference_steps": "2",
+            "guidance_scale": "5.0",
+            "seed": "0",
+        }
+        created = requests.post(
+            f"{base}/v1/videos", files={k: (None, v) for k, v in form.items()}, timeout=30
+        )
+        assert created.status_code == 200, created.text
+        job = created.json()
+        assert job["object"] == "video" and job["status"] in ("queued", "in_progress", "completed")
+
+        deadline = time.monotonic() + JOB_DEADLINE_S
+        while job["status"] not in ("completed", "failed") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            job = requests.get(f"{base}/v1/videos/{job['id']}", timeout=HTTP_TIMEOUT_S).json()
+        assert job["status"] == "completed", f"job not completed: {job}\n{log_tail(log)}"
+        assert job["error"] is None and job["num_frames"] == 9
+
+        content = requests.get(f"{base}/v1/videos/{job['id']}/content", timeout=30)
+        assert content.status_code == 200
+        assert content.headers["content-type"].startswith("video/mp4")
+        frames = _decode_mp4(content.content)
+        assert frames.shape == (9, 16, 16, 3)
+        assert frames.std() > 1.0  # a picture, not a flat colour
+    finally:
+        leftover = reap_group(server, settle=30.0)
+    assert server.returncode is not None
+    assert not leftover, f"server processes {leftover} outlived SIGTERM by 30s"

@@ -1,0 +1,282 @@
+"""The embedded default model: tiny random Wan2.2 text-to-video pipelines built locally.
+
+Tests, the demo and the CPU platform's self-checks need a real diffusers ``WanPipeline`` directory
+that vLLM-Omni loads through its own Wan2.2 code (``Omni(model=...)``, ``vllm serve ... --omni``),
+but small enough to generate a few frames on two CPU cores in seconds. :func:`build_tiny_wan` builds
+one from configs with random weights drawn from a fixed seed (no hub download: the tokenizer is a
+word-level ``tokenizers`` model made in memory), and caches it on disk by content.
+
+Layout of the returned directory (what ``WanPipeline.save_pretrained`` writes)::
+
+    model_index.json   scheduler/   tokenizer/   text_encoder/   vae/
+    transformer/       transformer_2/ (experts=2 only; model_index then carries boundary_ratio)
+
+The transformer's block Linears have K and N in {512, 1024}: multiples of the MX block (32) and of
+the DualScale coarse block (512), so both ``mxfp4`` and ``mxfp4_dualscale`` apply to every one.
+Transformers are stored in BF16 like the released Wan2.2 checkpoints; text encoder and VAE in FP32.
+
+Cache: ``$VLLM_OMNI_MXFP4_CACHE/tiny_wan/`` (default ``~/.cache/vllm-omni-mxfp4/tiny_wan/``), one
+directory per content key (the builder's configs, seed, expert count, and the torch / diffusers /
+transformers / tokenizers versions). A build goes to a staging directory that is renamed into place
+in one step, so concurrent or interrupted builds never leave a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "VLLM_OMNI_MXFP4_CACHE"
+"""Environment variable naming the cache root (default ``~/.cache/vllm-omni-mxfp4``)."""
+
+SEED = 0
+"""Seed of every random weight; expert ``i`` (0-based) uses ``SEED + 1 + i``."""
+
+BOUNDARY_RATIO = 0.875
+"""Wan2.2 T2V A14B's switch point from the high-noise to the low-noise expert."""
+
+# Bump when the build procedure changes in a way the configs below do not capture.
+_BUILDER_VERSION = 1
+
+TRANSFORMER_CONFIG: dict[str, Any] = {
+    "patch_size": [1, 2, 2],
+    "num_attention_heads": 4,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 32,
+    "freq_dim": 32,
+    "ffn_dim": 1024,
+    "num_layers": 2,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 32,
+}
+"""diffusers ``WanTransformer3DModel`` config of each expert (inner dim 4 x 128 = 512)."""
+
+TEXT_ENCODER_CONFIG: dict[str, Any] = {
+    "vocab_size": 64,
+    "d_model": TRANSFORMER_CONFIG["text_dim"],
+    "d_kv": 8,
+    "d_ff": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "relative_attention_num_buckets": 8,
+    "relative_attention_max_distance": 16,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "decoder_start_token_id": 0,
+}
+"""transformers ``UMT5Config`` of the text encoder (``d_model`` equals the transformer's text_dim)."""
+
+VAE_CONFIG: dict[str, Any] = {
+    "base_dim": 8,
+    "z_dim": TRANSFORMER_CONFIG["in_channels"],
+    "dim_mult": [1, 1, 1, 1],
+    "num_res_blocks": 1,
+    "temperal_downsample": [False, True, True],
+}
+"""diffusers ``AutoencoderKLWan`` config: 8x spatial, 4x temporal compression like the real VAE."""
+
+SCHEDULER_CONFIG: dict[str, Any] = {"shift": 3.0}
+"""diffusers ``FlowMatchEulerDiscreteScheduler`` config (vLLM-Omni's Wan2.2 builds its own scheduler)."""
+
+VOCABULARY: tuple[str, ...] = (
+    "<pad>",
+    "</s>",
+    "<unk>",
+    "a",
+    "an",
+    "the",
+    "of",
+    "on",
+    "in",
+    "at",
+    "with",
+    "and",
+    "is",
+    "are",
+    "walking",
+    "running",
+    "flying",
+    "sitting",
+    "cat",
+    "dog",
+    "bird",
+    "fish",
+    "horse",
+    "person",
+    "car",
+    "boat",
+    "tree",
+    "flower",
+    "grass",
+    "beach",
+    "sea",
+    "sky",
+    "city",
+    "street",
+    "red",
+    "blue",
+    "green",
+    "yellow",
+    "white",
+    "black",
+    "video",
+    "photo",
+    "slowly",
+    "quickly",
+    "bright",
+    "dark",
+    "blurry",
+    "low",
+    "quality",
+)
+"""Word-level vocabulary of the offline tokenizer; other words map to ``<unk>``."""
+
+TOKENIZER_MAX_LENGTH = 512
+
+
+def tiny_transformer_config() -> dict[str, Any]:
+    """A copy of the diffusers transformer config, as written to ``transformer/config.json``."""
+    return copy.deepcopy(TRANSFORMER_CONFIG)
+
+
+def omni_transformer_kwargs() -> dict[str, Any]:
+    """Keyword arguments for vLLM-Omni's ``WanTransformer3DModel`` built from the tiny config.
+
+    vLLM-Omni's constructor takes the diffusers config minus ``qk_norm`` (it always uses RMS norm
+    across heads) and wants ``patch_size`` as a tuple.
+    """
+    kwargs = tiny_transformer_config()
+    kwargs.pop("qk_norm")
+    kwargs["patch_size"] = tuple(kwargs["patch_size"])
+    return kwargs
+
+
+def cache_root() -> Path:
+    """The cache root: ``$VLLM_OMNI_MXFP4_CACHE`` or ``~/.cache/vllm-omni-mxfp4``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm-omni-mxfp4"
+
+
+def _library_versions() -> dict[str, str]:
+    import diffusers
+    import tokenizers
+    import torch
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
+
+
+def _content_key(experts: int) -> str:
+    spec = {
+        "builder": _BUILDER_VERSION,
+        "experts": experts,
+        "seed": SEED,
+        "boundary_ratio": BOUNDARY_RATIO if experts == 2 else None,
+        "transformer": TRANSFORMER_CONFIG,
+        "text_encoder": TEXT_ENCODER_CONFIG,
+        "vae": VAE_CONFIG,
+        "scheduler": SCHEDULER_CONFIG,
+        "vocabulary": VOCABULARY,
+        "tokenizer_max_length": TOKENIZER_MAX_LENGTH,
+        "versions": _library_versions(),
+    }
+    blob = json.dumps(spec, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _build_into(out_dir: Path, experts: int) -> None:
+    """Build the pipeline with seeded random weights and ``save_pretrained`` it into ``out_dir``."""
+    import torch
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    with torch.random.fork_rng(devices=[]):
+        transformers_ = []
+        for index in range(experts):
+            torch.manual_seed(SEED + 1 + index)
+            expert = WanTransformer3DModel(**tiny_transformer_config()).eval()
+            # Store every tensor in BF16 like the released checkpoints. diffusers' own .to() warns
+            # that some modules should compute in FP32; that is a runtime concern of the loader.
+            torch.nn.Module.to(expert, torch.bfloat16)
+            transformers_.append(expert)
+        torch.manual_seed(SEED)
+        vae = AutoencoderKLWan(**copy.deepcopy(VAE_CONFIG)).eval()
+        text_encoder = UMT5EncoderModel(UMT5Config(**TEXT_ENCODER_CONFIG)).eval()
+
+    word_level = Tokenizer(
+        models.WordLevel(vocab={word: i for i, word in enumerate(VOCABULARY)}, unk_token="<unk>")
+    )
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=TOKENIZER_MAX_LENGTH,
+    )
+    pipeline = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
+        transformer=transformers_[0],
+        transformer_2=transformers_[1] if experts == 2 else None,
+        boundary_ratio=BOUNDARY_RATIO if experts == 2 else None,
+    )
+    pipeline.save_pretrained(out_dir, safe_serialization=True)
+
+
+def build_tiny_wan(experts: int = 2, *, cache_dir: str | Path | None = None) -> Path:
+    """Return the directory of the tiny Wan2.2 T2V pipeline, building it on first use.
+
+    ``experts=2`` is the Wan2.2 A14B layout (``transformer`` for high noise, ``transformer_2`` for
+    low noise, ``boundary_ratio`` 0.875); ``experts=1`` a single-transformer pipeline.
+    ``cache_dir`` overrides the cache root (see :func:`cache_root`). Repeated calls with the same
+    configs and library versions return the same directory without rebuilding.
+    """
+    if experts not in (1, 2):
+        raise ValueError(f"build_tiny_wan: experts must be 1 or 2, got {experts!r}")
+    root = (Path(cache_dir).expanduser() if cache_dir is not None else cache_root()) / "tiny_wan"
+    final = root / f"wan22_t2v_{experts}e_{_content_key(experts)}"
+    if (final / "model_index.json").is_file():
+        return final
+
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".staging-{final.name}-", dir=root))
+    try:
+        logger.info("Building tiny Wan2.2 pipeline (%d expert(s)) into %s", experts, final)
+        _build_into(staging, experts)
+        try:
+            os.rename(staging, final)
+        except OSError:
+            # Another process finished the same build first; its copy is identical.
+            if not (final / "model_index.json").is_file():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return final
