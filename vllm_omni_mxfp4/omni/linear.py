@@ -36,6 +36,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from ..backends import MxLayerSpec, get_backend
 from ..config import LayerRoute, Precision, QuantConfig
 from ..formats import DUAL_BLOCK_SIZE, MX_BLOCK_SIZE, NAN_CODE, e2m1_decode, e2m1_encode, pack_fp4
+from . import trace
 
 logger = logging.getLogger(__name__)
 
@@ -469,6 +470,8 @@ class MxLinearMethod(LinearMethodBase):
                 "vLLM-Omni's loader or call it on every quantized layer after load_weights()"
             )
         a8 = self.route.precision_now() is Precision.W4A8
+        if trace.TRACE is not None:
+            trace.TRACE.record(layer, self.method_name, self.prefix, a8, self.backend.name)
         out = self.backend.linear(layer, spec, x.reshape(-1, x.shape[-1]), bias, a8=a8)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
