@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._logging import attach_to_vllm_logging
+
+attach_to_vllm_logging()
+
 
 def build_quant_config(spec: Any) -> Any:
     """A vLLM ``QuantizationConfig`` for any spec this package accepts.

@@ -23,10 +23,12 @@ def register() -> None:
         return
     from vllm_omni.quantization.factory import register_quantization_override
 
+    from .._logging import attach_to_vllm_logging
     from .mxfp4 import Mxfp4QuantizationConfig
     from .mxfp4_dualscale import Mxfp4DualScaleQuantizationConfig
 
     register_quantization_override("mxfp4", Mxfp4QuantizationConfig.from_kwargs)
     register_quantization_override("mxfp4_dualscale", Mxfp4DualScaleQuantizationConfig.from_kwargs)
+    attach_to_vllm_logging()
     _registered = True
     logger.debug("vllm-omni-mxfp4: registered mxfp4 and mxfp4_dualscale with vLLM-Omni")

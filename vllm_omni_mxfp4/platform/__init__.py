@@ -63,6 +63,8 @@ import logging
 import os
 from collections.abc import Callable
 
+from .._logging import attach_to_vllm_logging
+
 logger = logging.getLogger(__name__)
 
 PLATFORM_ENV = "VLLM_OMNI_MXFP4_CPU_PLATFORM"
@@ -198,7 +200,7 @@ def activate() -> str | None:
         return None
     if not _announced:
         _announced = True
-        _attach_to_vllm_logging()
+        attach_to_vllm_logging()
         if accelerators:
             logger.warning(
                 "vLLM-Omni CPU platform (vllm-omni-mxfp4) is active because %s=%s, although an "
@@ -227,10 +229,3 @@ def install_fixups() -> None:
     from vllm_omni_mxfp4.platform.fixups import install_worker_output_fixup
 
     install_worker_output_fixup()
-
-
-def _attach_to_vllm_logging() -> None:
-    """Route this package's records through vLLM's configured handler, as vLLM-Omni does for its own."""
-    vllm_root = logging.getLogger("vllm")
-    if vllm_root.handlers:
-        logger.parent = vllm_root
