@@ -508,3 +508,29 @@ def test_torch_compile_does_not_recompile_per_step(vllm_env):
     assert len(compiles) == 1
     targets = {str(n.target) for n in compiles[0].graph.nodes}
     assert "vllm_omni_mxfp4.linear" in targets, targets
+
+
+def test_w4a4_and_w4a8_share_one_prepared_weight(vllm_env):
+    w, b, x = weights(20)
+    layer = make_layer(vllm_env, {"method": "mxfp4", "w4a8_fallback_steps": [1], "backend": "emulated"})
+    load(layer, "weight", w)
+    load(layer, "bias", b)
+    finish(vllm_env, layer)
+    buffers = {name: t.data_ptr() for name, t in layer.named_buffers()}
+    assert set(buffers) == {"_mx_weight_dequant"}  # one prepared weight, no per-precision copy
+    for step in (0, 1, 2):
+        with denoise_step(step):
+            run(vllm_env, layer, x)
+    assert {name: t.data_ptr() for name, t in layer.named_buffers()} == buffers
+    assert set(layer.state_dict()) == {"weight", "weight_scale", "bias"}
+
+
+def test_packed_only_mode_keeps_no_dequantized_copy(vllm_env):
+    w, b, x = weights(21)
+    layer = make_layer(vllm_env, {"method": "mxfp4", "backend": "emulated"}, exact=False)
+    layer.quant_method.backend = EmulatedBackend(cache_dequantized=False, compute_dtype="float32")
+    load(layer, "weight", w)
+    load(layer, "bias", b)
+    finish(vllm_env, layer)
+    assert dict(layer.named_buffers()) == {}
+    assert torch.equal(run(vllm_env, layer, x), reference(x, dequantize_mx(*quantize_mx(w)), b))
