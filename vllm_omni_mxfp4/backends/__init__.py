@@ -11,6 +11,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import os
 
 import torch
 
@@ -22,8 +23,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["MxBackend", "MxLayerSpec", "EmulatedBackend", "get_backend", "detect_backend"]
 
 
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ValueError:  # already in sys.modules without a spec (a test double): importable
+        return True
+
+
 def _npu_status() -> tuple[bool, str]:
-    if importlib.util.find_spec("torch_npu") is None:
+    if not _installed("torch_npu"):
         return False, "torch_npu is not installed"
     try:
         importlib.import_module("torch_npu")
@@ -36,12 +44,14 @@ def _npu_status() -> tuple[bool, str]:
 
 
 def _rocm_status() -> tuple[bool, str]:
-    if getattr(torch.version, "hip", None) is None or not torch.cuda.is_available():
+    from .rocm import gpu_arch
+
+    arch = gpu_arch()
+    if arch is None:
         return False, "no ROCm GPU"
-    arch = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "gcnArchName", "")
     if "gfx950" not in arch:
-        return False, f"the ROCm GPU is {arch or 'unknown'}, not gfx950 (MI355X)"
-    if importlib.util.find_spec("aiter") is None:
+        return False, f"the ROCm GPU is {arch}, not gfx950 (MI350X/MI355X)"
+    if not _installed("aiter"):
         return False, "ROCm gfx950 GPU present but AITER is not installed"
     return True, f"AITER is installed and the GPU is {arch}"
 
@@ -57,11 +67,28 @@ def detect_backend() -> tuple[str, str]:
     return "emulated", f"{npu_why}; {rocm_why}"
 
 
+BACKEND_ENV = "VLLM_OMNI_MXFP4_BACKEND"
+"""Overrides what ``backend: auto`` resolves to, in every process (``npu``, ``rocm`` or ``emulated``).
+
+vLLM-Omni rebuilds each expert's config from a serialized checkpoint's ``config.json`` and carries
+over only the W4A8 / scale-algorithm / Smooth policies of the runtime config, so an offline
+checkpoint always resolves ``backend`` to ``auto``; this variable chooses the backend there too.
+"""
+
+BACKEND_NAMES = ("auto", "npu", "rocm", "emulated")
+
+
 @functools.cache
 def get_backend(name: str = "auto") -> MxBackend:
     """The (process-wide) backend instance for a config's ``backend`` value."""
     if name == "auto":
-        name, why = detect_backend()
+        forced = os.environ.get(BACKEND_ENV, "").strip().lower() or "auto"
+        if forced not in BACKEND_NAMES:
+            raise ValueError(f"{BACKEND_ENV} must be one of {list(BACKEND_NAMES)}; got {forced!r}")
+        if forced != "auto":
+            name, why = forced, f"{BACKEND_ENV}={forced}"
+        else:
+            name, why = detect_backend()
         logger.info("vllm-omni-mxfp4: MXFP4 backend '%s' (%s)", name, why)
     if name == "emulated":
         return EmulatedBackend()
@@ -73,4 +100,4 @@ def get_backend(name: str = "auto") -> MxBackend:
         from .rocm import RocmBackend
 
         return RocmBackend()
-    raise ValueError(f"backend must be one of 'auto', 'npu', 'rocm', 'emulated'; got {name!r}")
+    raise ValueError(f"backend must be one of {list(BACKEND_NAMES)}; got {name!r}")

@@ -13,7 +13,9 @@ float32 reference bit for bit. Dual scale: dequantized values carry the float32 
 are not bf16-exact, so dual-scale layers compute in float32 unless told otherwise.
 
 W4A8 mirrors the NPU mixed kernel: E4M3 activations (FLOOR), a bf16 bias and a bf16-rounded
-output, cast back to the caller's dtype (an fp16 caller sees bf16 rounding).
+output, cast back to the caller's dtype (an fp16 caller sees bf16 rounding). Dual scale mirrors the
+NPU dual-level kernels: float32 callers are computed from bf16 activations and get a bf16-rounded
+output (the kernel writes fp16 or bf16 only).
 
 Options (constructor or environment, read once per process):
 
@@ -23,6 +25,13 @@ Options (constructor or environment, read once per process):
   and is dequantized on every call.
 - ``compute_dtype`` (``VLLM_OMNI_MXFP4_EMULATED_COMPUTE``): ``auto`` (bf16 for bf16 single-scale
   layers, float32 otherwise) or ``float32``.
+- ``mirror`` (``VLLM_OMNI_MXFP4_EMULATED_MIRROR``): whose numerics to reproduce. ``npu`` (the
+  default): everything above. ``rocm:<rule>`` (``rocm`` alone means ``rocm:rceil``): the ROCm
+  backend's, with ``<rule>`` the scale rule of the AITER in question (``rceil`` since 2026-06,
+  ``aiter_legacy`` before; :meth:`RocmBackend.scale_rule` reports it): online weights and A4
+  activations use that rule instead of FLOOR, float32 inputs are rounded to bf16 (after Smooth),
+  the GEMM output is bf16-rounded and the bias is added after it in float32; UOS activations,
+  W4A8 and dual scale are refused as the ROCm backend refuses them.
 """
 
 from __future__ import annotations
@@ -34,12 +43,34 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import dequantize_dualscale, dequantize_mx, fake_quantize_mx, quantize_dualscale, quantize_mx
-from .base import MxBackend, MxLayerSpec, set_buffer
+from .base import (
+    MxBackend,
+    MxLayerSpec,
+    aiter_refusal,
+    check_aiter_supported,
+    restore_checkpoint_weight,
+    set_buffer,
+)
 
 logger = logging.getLogger(__name__)
 
+_AITER_RULES = ("rceil", "aiter_legacy", "even", "floor")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+
+
+def parse_mirror(mirror: str) -> str | None:
+    """The AITER scale rule a ``mirror`` value selects (None for ``npu``); errors name the choices."""
+    value = mirror.strip().lower()
+    if value == "npu":
+        return None
+    if value == "rocm":
+        return "rceil"
+    kind, _, rule = value.partition(":")
+    if kind == "rocm" and rule in _AITER_RULES:
+        return rule
+    choices = ", ".join(["'npu'", "'rocm'", *(f"'rocm:{r}'" for r in _AITER_RULES)])
+    raise ValueError(f"emulated mirror must be one of {choices}; got {mirror!r}")
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -58,7 +89,17 @@ class EmulatedBackend(MxBackend):
 
     name = "emulated"
 
-    def __init__(self, *, cache_dequantized: bool | None = None, compute_dtype: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        cache_dequantized: bool | None = None,
+        compute_dtype: str | None = None,
+        mirror: str | None = None,
+    ) -> None:
+        if mirror is None:
+            mirror = os.environ.get("VLLM_OMNI_MXFP4_EMULATED_MIRROR", "npu").strip() or "npu"
+        self.aiter_rule = parse_mirror(mirror)
+        self.mirror = "npu" if self.aiter_rule is None else f"rocm:{self.aiter_rule}"
         if cache_dequantized is None:
             cache_dequantized = _env_flag("VLLM_OMNI_MXFP4_EMULATED_CACHE", True)
         if compute_dtype is None:
@@ -72,14 +113,32 @@ class EmulatedBackend(MxBackend):
 
     def describe(self) -> str:
         cache = "cached dequantized weights" if self.cache_dequantized else "packed weights"
-        return f"emulated ({cache}, compute {self.compute_dtype})"
+        return f"emulated ({cache}, compute {self.compute_dtype}, {self.mirror} numerics)"
+
+    def _who(self) -> str:
+        return (
+            f"the emulated backend mirroring ROCm (mirror={self.mirror!r}; use mirror='npu' for everything)"
+        )
+
+    def check_supported(self, prefix: str, *, dual_scale: bool, scale_rule: str, w4a8: bool) -> None:
+        if self.aiter_rule is not None:
+            check_aiter_supported(
+                prefix, dual_scale=dual_scale, scale_rule=scale_rule, w4a8=w4a8, who=self._who()
+            )
 
     def quantize_weight(self, weight: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.aiter_rule is not None:
+            check_aiter_supported("", dual_scale=False, scale_rule=scale_rule, w4a8=False, who=self._who())
+            if weight.dtype not in (torch.bfloat16, torch.float16):
+                weight = weight.to(torch.bfloat16)  # AITER's quantizer takes bf16/fp16
+            scale_rule = self.aiter_rule
         return quantize_mx(weight, elem="fp4", scale_rule=scale_rule)
 
     def quantize_weight_dualscale(
         self, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.aiter_rule is not None:
+            raise aiter_refusal("", dual_scale=True, scale_rule="floor", w4a8=False, who=self._who())
         if weight.dtype not in (torch.bfloat16, torch.float16):
             weight = weight.to(torch.bfloat16)  # the NPU dual-level quantizer takes bf16/fp16 only
         return quantize_dualscale(weight)
@@ -101,6 +160,15 @@ class EmulatedBackend(MxBackend):
         return w[:, front : front + spec.in_features] if (front or back) else w
 
     def prepare(self, layer: torch.nn.Module, spec: MxLayerSpec) -> None:
+        if self.aiter_rule is not None:
+            check_aiter_supported(
+                spec.prefix,
+                dual_scale=spec.dual_scale,
+                scale_rule=spec.act_scale_rule,
+                w4a8=False,
+                who=self._who(),
+            )
+        restore_checkpoint_weight(layer)  # a vendor backend may have put its layout in ``weight``
         cached = self._dequantized_weight(layer, spec) if self.cache_dequantized else None
         set_buffer(layer, "_mx_weight_dequant", cached)
 
@@ -118,21 +186,23 @@ class EmulatedBackend(MxBackend):
         *,
         a8: bool,
     ) -> torch.Tensor:
+        if self.aiter_rule is not None:
+            return self._linear_aiter(layer, spec, x, bias, a8=a8)
         out_dtype = x.dtype
         if spec.dual_scale and x.dtype not in (torch.bfloat16, torch.float16):
             x = x.to(torch.bfloat16)  # as the NPU path does for float32 callers
         if spec.has_smooth:
             x = x * layer._mx_smooth.to(x.dtype)
         if spec.dual_scale:
-            front, back = spec.k_pad_front, spec.k_pad_back
-            xp = torch.nn.functional.pad(x, (front, back)) if (front or back) else x
-            xq = dequantize_dualscale(*quantize_dualscale(xp), dtype=torch.float32)
-            if front or back:
-                xq = xq[:, front : front + spec.in_features]
+            xq = _aligned(
+                spec, x, lambda xp: dequantize_dualscale(*quantize_dualscale(xp), dtype=torch.float32)
+            )
         elif a8:
-            xq = fake_quantize_mx(x, elem="fp8", scale_rule="floor")
+            xq = _aligned(spec, x, lambda xp: fake_quantize_mx(xp, elem="fp8", scale_rule="floor"))
         else:
-            xq = fake_quantize_mx(x, elem="fp4", scale_rule=spec.act_scale_rule)
+            xq = _aligned(
+                spec, x, lambda xp: fake_quantize_mx(xp, elem="fp4", scale_rule=spec.act_scale_rule)
+            )
         weight = layer._buffers.get("_mx_weight_dequant")
         if weight is None:
             weight = self._dequantized_weight(layer, spec)
@@ -142,4 +212,44 @@ class EmulatedBackend(MxBackend):
             b = None if bias is None else bias.to(torch.bfloat16).to(compute)
             return F.linear(xq.to(compute), weight.to(compute), b).to(torch.bfloat16).to(out_dtype)
         b = None if bias is None else bias.to(compute)
-        return F.linear(xq.to(compute), weight.to(compute), b).to(out_dtype)
+        out = F.linear(xq.to(compute), weight.to(compute), b)
+        if spec.dual_scale:
+            out = out.to(x.dtype)  # the dual-level GEMM writes bf16/fp16 (x's dtype by now)
+        return out.to(out_dtype)
+
+    def _linear_aiter(
+        self,
+        layer: torch.nn.Module,
+        spec: MxLayerSpec,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        a8: bool,
+    ) -> torch.Tensor:
+        """The ROCm backend's numerics: AITER's rule, bf16 inputs, bf16 GEMM output, bias after."""
+        if a8:
+            check_aiter_supported(
+                spec.prefix, dual_scale=False, scale_rule="floor", w4a8=True, who=self._who()
+            )
+        out_dtype = x.dtype
+        if spec.has_smooth:
+            x = x * layer._mx_smooth.to(x.dtype)
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            x = x.to(torch.bfloat16)
+        xq = _aligned(spec, x, lambda xp: fake_quantize_mx(xp, elem="fp4", scale_rule=self.aiter_rule))
+        weight = layer._buffers.get("_mx_weight_dequant")
+        if weight is None:
+            weight = self._dequantized_weight(layer, spec)
+        compute = self._compute_dtype(spec, x.dtype)
+        out = F.linear(xq.to(compute), weight.to(compute)).to(torch.bfloat16)
+        if bias is not None:
+            out = out.float() + bias.float()
+        return out.to(out_dtype)
+
+
+def _aligned(spec: MxLayerSpec, x: torch.Tensor, qdq) -> torch.Tensor:
+    """``qdq`` of ``x`` zero-padded by the spec's K padding (blocks line up with the scales), cut back."""
+    front, back = spec.k_pad_front, spec.k_pad_back
+    if not (front or back):
+        return qdq(x)
+    return qdq(F.pad(x, (front, back)))[:, front : front + spec.in_features]

@@ -126,6 +126,13 @@ class MxLinearMethod(LinearMethodBase):
         self.prefix = prefix
         self.backend = get_backend(config.backend)
         self.online = not config.is_serialized
+        # Refuse what the backend cannot run now, before any weight is allocated.
+        self.backend.check_supported(
+            prefix,
+            dual_scale=self.dual_scale,
+            scale_rule=self.act_scale_rule,
+            w4a8=route.precision is Precision.W4A8 or bool(route.a8_steps),
+        )
         # Read by vLLM-Omni's Wan post-load summary.
         self.is_w4a8_fallback_layer = route.precision is Precision.W4A8
 

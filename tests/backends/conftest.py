@@ -1,0 +1,83 @@
+"""Fixtures that install the semantic fakes of torch_npu / AITER and build the vendor backends on them."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from .fake_aiter import FakeAiter
+from .fake_torch_npu import make_fake_torch_npu
+
+pytest.importorskip("vllm_omni")
+
+
+@pytest.fixture
+def fake_npu(monkeypatch):
+    """A fresh fake ``torch_npu`` in ``sys.modules``; removed after the test."""
+    fake = make_fake_torch_npu()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    return fake
+
+
+@pytest.fixture
+def npu_backend(fake_npu):
+    from vllm_omni_mxfp4.backends.npu import NpuBackend
+
+    return NpuBackend()
+
+
+def install_aiter(monkeypatch, rule: str = "rceil", **kwargs) -> FakeAiter:
+    """Install a fake AITER of the given scale rule and pretend the GPU is a gfx950."""
+    import vllm_omni_mxfp4.backends.rocm as rocm
+
+    monkeypatch.setattr(rocm, "gpu_arch", lambda: "gfx950:sramecc+:xnack-")
+    return FakeAiter(rule, **kwargs).install(monkeypatch)
+
+
+@pytest.fixture(params=["rceil", "aiter_legacy"])
+def fake_aiter(request, monkeypatch):
+    """A fake AITER of each scale-rule era (RCEIL since 2026-06, round-half-up before)."""
+    return install_aiter(monkeypatch, request.param)
+
+
+@pytest.fixture
+def rocm_backend(fake_aiter):
+    from vllm_omni_mxfp4.backends.rocm import RocmBackend
+
+    return RocmBackend()
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    """The TP=1 vLLM-Omni environment of tests/omni, shared when that one is already up."""
+    from vllm_omni.diffusion.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    from tests.omni.conftest import VllmEnv, free_port
+    from vllm_omni_mxfp4.omni.plugin import register
+
+    register()
+    env = VllmEnv()
+    if torch.distributed.is_initialized():
+        yield env
+        return
+    with env.context():
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            backend="gloo",
+        )
+        initialize_model_parallel(
+            tensor_parallel_size=1, data_parallel_size=1, sequence_parallel_size=1, backend="gloo"
+        )
+    yield env
+    destroy_model_parallel()
+    destroy_distributed_environment()
