@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
 
 from .fake_aiter import FakeAiter
 from .fake_torch_npu import make_fake_torch_npu
@@ -47,37 +46,3 @@ def rocm_backend(fake_aiter):
     from vllm_omni_mxfp4.backends.rocm import RocmBackend
 
     return RocmBackend()
-
-
-@pytest.fixture(scope="module")
-def vllm_env():
-    """The TP=1 vLLM-Omni environment of tests/omni, shared when that one is already up."""
-    from vllm_omni.diffusion.distributed.parallel_state import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-
-    from tests.omni.conftest import VllmEnv, free_port
-    from vllm_omni_mxfp4.omni.plugin import register
-
-    register()
-    env = VllmEnv()
-    if torch.distributed.is_initialized():
-        yield env
-        return
-    with env.context():
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-            backend="gloo",
-        )
-        initialize_model_parallel(
-            tensor_parallel_size=1, data_parallel_size=1, sequence_parallel_size=1, backend="gloo"
-        )
-    yield env
-    destroy_model_parallel()
-    destroy_distributed_environment()

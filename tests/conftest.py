@@ -1,17 +1,21 @@
-"""Fixtures for tests that build vLLM / vLLM-Omni layers in this process (TP=1, gloo, CPU)."""
+"""Fixtures shared by every test directory.
+
+``vllm_env``: vLLM-Omni's diffusion configs plus an initialized TP=1 gloo process group in this
+process, as the diffusion worker sets them up, for tests that build vLLM / vLLM-Omni layers here.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import socket
 
 import pytest
 import torch
 
-pytest.importorskip("vllm_omni")
-
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -42,6 +46,8 @@ class VllmEnv:
 
 @pytest.fixture(scope="session")
 def vllm_env():
+    if importlib.util.find_spec("vllm_omni") is None:
+        pytest.skip("vllm / vllm-omni not installed")
     from vllm_omni.diffusion.distributed.parallel_state import (
         destroy_distributed_environment,
         destroy_model_parallel,
