@@ -18,6 +18,9 @@ Rules (each violation is a :class:`CheckpointError` naming the tensor or file):
   one ``mul_scale`` (or none);
 - only block Linears are quantized (vLLM-Omni runs the embedders and ``proj_out`` in BF16), unless
   the caller asks to take such layers from the original.
+
+A DualScale layer that msModelSlim did not smooth gets an identity ``mul_scale`` (ones) in the
+output: the DualScale runtime requires one for every quantized layer.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from .names import (
 from .safetensors_io import (
     FLOAT_DTYPES,
     CopyBytes,
+    OnesF32,
     OutputTensor,
     TensorRef,
     UnpackFp4ToBf16,
@@ -428,6 +432,11 @@ class _Planner:
                 outputs.append(OutputTensor(f"{layer}.weight", "BF16", shape, UnpackFp4ToBf16(weight)))
             description[f"{layer}.weight"] = self.export.label
             bytes_in += weight.nbytes
+            if self.export.quant_method == "mxfp4_dualscale" and "mul_scale" not in tensors:
+                # The DualScale runtime always applies a Smooth tensor: a layer msModelSlim did not
+                # smooth gets the identity, which leaves its activations unchanged.
+                k = weight.shape[1] * 2
+                outputs.append(OutputTensor(f"{layer}.mul_scale", "F32", (k,), OnesF32(k)))
             for leaf in ("weight_scale", "weight_dual_scale", "mul_scale"):
                 if leaf not in tensors:
                     continue

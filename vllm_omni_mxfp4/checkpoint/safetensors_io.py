@@ -259,6 +259,21 @@ class WidenToF32:
         progress(self.nbytes)
 
 
+@dataclass(frozen=True)
+class OnesF32:
+    """A float32 vector of ones: the identity Smooth of a DualScale layer exported without one."""
+
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * 4
+
+    def write_to(self, out: BinaryIO, progress: Progress) -> None:
+        _write_all(out, np.ones(self.count, dtype="<f4").tobytes())
+        progress(self.nbytes)
+
+
 def _fp4_pair_table() -> np.ndarray:
     """(256, 2) uint16: the BF16 bit patterns of the two E2M1 values of a byte, low nibble first."""
     magnitudes = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
