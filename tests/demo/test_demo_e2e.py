@@ -1,0 +1,113 @@
+"""The demo, reduced (BF16 + the offline msModelSlim checkpoint, one step), as the README runs it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from safetensors import safe_open
+
+from tests.platform.omni_procs import omni_installed, run_bounded, subprocess_env
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.omni,
+    pytest.mark.skipif(not omni_installed(), reason="vllm / vllm-omni not installed"),
+]
+
+FRAMES, SIZE = 9, 32
+
+
+def _file_bytes(folder: Path, *, bias_bytes: int | None = None, shared_qkv_smooth: bool = False) -> int:
+    """Bytes of a transformer's safetensors tensors, computed from the file alone.
+
+    ``bias_bytes``: bytes per bias element as the model holds it (msModelSlim stores FP32 biases; the
+    engine keeps the model dtype). ``shared_qkv_smooth``: the fused runtime Q/K/V holds one Smooth
+    vector where the checkpoint stores three equal ones.
+    """
+    total = 0
+    with safe_open(str(folder / "diffusion_pytorch_model.safetensors"), "pt") as f:
+        for key in sorted(f.keys()):
+            t = f.get_tensor(key)
+            if shared_qkv_smooth and key.endswith(("attn1.to_k.mul_scale", "attn1.to_v.mul_scale")):
+                continue
+            per = bias_bytes if (bias_bytes and key.endswith(".bias")) else t.element_size()
+            total += t.numel() * per
+    return total
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "out"
+    argv = ["-m", "vllm_omni_mxfp4.demo", "--modes", "offline", "--steps", "1", "--out", str(out)]
+    argv += ["--height", str(SIZE), "--width", str(SIZE), "--num-frames", str(FRAMES)]
+    log = out.parent / "demo.log"
+    run_bounded(argv, timeout=600, env=subprocess_env(), log=log)
+    return out, log.read_text(), json.loads((out / "results.json").read_text())
+
+
+def test_table_and_numbers(demo_run):
+    out, text, results = demo_run
+    modes = {m["mode"]: m for m in results["modes"]}
+    assert list(modes) == ["bf16", "offline"]
+    assert "mode" in text and "PSNR dB" in text and "weights MiB" in text
+    bf16, offline = modes["bf16"], modes["offline"]
+    assert bf16["psnr"] == math.inf and bf16["cosine"] == pytest.approx(1.0)
+    assert 10.0 < offline["psnr"] < math.inf
+    assert 0.5 < offline["cosine"] < 1.0
+    other = results["bf16_other_seed"]
+    assert other["seed"] == 43 and math.isfinite(other["psnr"])
+    for m in (bf16, offline):
+        assert m["load_s"] > 0 and m["gen_s"] > 0
+    assert results["platform"].startswith("CpuOmniPlatform")
+    assert f"Output directory: {out}" in text
+
+
+def test_weight_bytes_are_what_the_checkpoints_hold(demo_run):
+    out, _, results = demo_run
+    modes = {m["mode"]: m for m in results["modes"]}
+    original, merged = Path(results["model"]), Path(results["offline_checkpoint"])
+    for t in modes["bf16"]["transformers"]:
+        assert t["weight_bytes"] == _file_bytes(original / t["name"]), t["name"]
+        assert t["backend_bytes"] == 0
+    for t in modes["offline"]["transformers"]:
+        expected = _file_bytes(merged / t["name"], bias_bytes=2, shared_qkv_smooth=True)
+        assert t["weight_bytes"] == expected, t["name"]
+    assert modes["offline"]["weight_bytes"] < 0.7 * modes["bf16"]["weight_bytes"]
+
+
+def test_offline_mode_ran_the_merged_checkpoint_as_declared(demo_run):
+    """Each expert's Linears run BF16 exactly where its merged config.json says (auto-detected)."""
+    out, text, results = demo_run
+    assert (out / "msmodelslim-export" / "high_noise_model").is_dir()
+    assert (out / "msmodelslim-export" / "low_noise_model").is_dir()
+    offline = next(m for m in results["modes"] if m["mode"] == "offline")
+    assert offline["omni_kwargs"] == {}
+    for t in offline["transformers"]:
+        config = json.loads((out / "merged-mxfp4-dualscale" / t["name"] / "config.json").read_text())
+        qc = config["quantization_config"]
+        assert qc["quant_method"] == "mxfp4_dualscale" and qc["is_checkpoint_serialized"] is True
+        bf16 = {e["layer"] for e in t["linears"] if e["method"] == "bf16"}
+        quantized = {e["layer"] for e in t["linears"] if e["method"] == "mxfp4_dualscale"}
+        assert bf16 == {name for name in qc["ignored_layers"] if name.startswith("blocks.")}
+        assert quantized and not quantized & bf16
+        assert {e["mode"] for e in t["linears"] if e["method"] != "bf16"} == {"offline"}
+    assert "merged msModelSlim checkpoint" in text
+
+
+def test_files(demo_run):
+    import imageio.v3 as iio
+
+    out, _, results = demo_run
+    with Image.open(out / "frames_strip.png") as strip:
+        assert strip.size[1] == 2 * (96 + 4)  # one row per mode, 32 px frames enlarged x3
+    for mode in ("bf16", "offline"):
+        video = iio.imread(out / f"{mode}.mp4", index=None)
+        assert video.shape[0] == FRAMES and video.shape[3] == 3
+        frames = np.load(out / "runs" / mode / "frames.npy")
+        assert frames.shape == (FRAMES, SIZE, SIZE, 3) and np.isfinite(frames).all()
+    assert "| offline |" in (out / "results.md").read_text()

@@ -1,0 +1,238 @@
+"""The demo's parts without an engine: metrics, media, modes, table, engine reports."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vllm_omni_mxfp4.config import parse_quantization
+from vllm_omni_mxfp4.demo import engine_report, media, run
+from vllm_omni_mxfp4.demo.metrics import cosine, psnr
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+def test_psnr_golden_values():
+    ref = np.zeros((2, 4, 4, 3), dtype=np.float32)
+    assert psnr(np.full_like(ref, 0.1), ref) == pytest.approx(20.0, abs=1e-6)  # MSE 0.01
+    assert psnr(np.full_like(ref, 0.01), ref) == pytest.approx(40.0, abs=1e-5)
+    assert psnr(ref, ref) == math.inf
+    bad = ref.copy()
+    bad[0, 0, 0, 0] = np.nan
+    assert math.isnan(psnr(bad, ref))
+    with pytest.raises(ValueError, match="different shapes"):
+        psnr(ref, ref[:1])
+
+
+def test_cosine_golden_values():
+    a = np.array([1.0, 1.0, 0.0, 0.0]).reshape(1, 1, 4, 1)  # -> [1, 1, -1, -1]
+    b = np.array([1.0, 0.0, 1.0, 0.0]).reshape(1, 1, 4, 1)  # -> [1, -1, 1, -1]
+    assert cosine(a, a) == pytest.approx(1.0)
+    assert cosine(a, 1.0 - a) == pytest.approx(-1.0)
+    assert cosine(a, b) == pytest.approx(0.0, abs=1e-12)
+    c = np.array([1.0, 0.75, 0.5, 0.5]).reshape(1, 1, 4, 1)  # -> [1, 0.5, 0, 0]
+    assert cosine(a, c) == pytest.approx(1.5 / (2.0 * math.sqrt(1.25)))
+    assert math.isnan(cosine(np.full_like(a, 0.5), a))
+
+
+# ------------------------------------------------------------------------------------------------ media
+
+
+class _Output:
+    def __init__(self, images):
+        self.images = images
+
+
+def test_video_frames_layouts():
+    video = np.random.default_rng(0).random((1, 5, 6, 7, 3), dtype=np.float32)
+    np.testing.assert_array_equal(media.video_frames([_Output([video])]), video[0])
+    np.testing.assert_array_equal(media.video_frames(torch.from_numpy(video[0])), video[0])
+    channel_first = np.moveaxis(video[0], -1, 0)  # (3, F, H, W)
+    np.testing.assert_array_equal(media.video_frames(channel_first), video[0])
+    as_uint8 = (video[0] * 255).astype(np.uint8)
+    np.testing.assert_allclose(media.video_frames(as_uint8), as_uint8 / 255.0, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="batch of 2"):
+        media.video_frames(np.zeros((2, 5, 6, 7, 3)))
+    with pytest.raises(ValueError, match="no images"):
+        media.video_frames([_Output([])])
+
+
+def _gradient(frames: int, height: int, width: int) -> np.ndarray:
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x / (width - 1), y / (height - 1), np.full((height, width), 0.5)], axis=-1)
+    return np.stack([np.roll(base, t, axis=1) for t in range(frames)]).astype(np.float32)
+
+
+@pytest.mark.skipif(media.video_encoder() is None, reason="no MP4 encoder installed")
+def test_mp4_round_trip_and_even_padding(tmp_path):
+    import imageio.v3 as iio
+
+    frames = _gradient(6, 33, 48)
+    path = media.write_video(frames, tmp_path / "v.mp4", fps=8)
+    assert path == tmp_path / "v.mp4"
+    back = iio.imread(path, index=None)
+    assert back.shape == (6, 34, 48, 3)  # odd height padded by one edge row for yuv420p
+    error = np.abs(back[:, :33].astype(np.float64) / 255.0 - frames).mean()
+    assert error < 0.05  # H.264 is lossy; a wrong layout would be off by ~0.3
+
+
+def test_gif_fallback_without_encoder(tmp_path, monkeypatch):
+    monkeypatch.setattr(media, "video_encoder", lambda: None)
+    frames = _gradient(4, 8, 10)
+    path = media.write_video(frames, tmp_path / "v.mp4", fps=10)
+    assert path == tmp_path / "v.gif" and not (tmp_path / "v.mp4").exists()
+    with Image.open(path) as gif:
+        assert gif.n_frames == 4 and gif.size == (10, 8)
+        assert gif.info["duration"] == 100
+
+
+def test_frame_strip_layout(tmp_path):
+    a = _gradient(5, 16, 16)
+    b = 1.0 - a
+    path = media.frame_strip([("first", a), ("second", b)], tmp_path / "s.png", max_frames=3, min_size=64)
+    with Image.open(path) as img:
+        pixels = np.asarray(img.convert("RGB"))
+    tile, gap, label = 64, 4, 150  # 16 px enlarged x4
+    assert pixels.shape == (2 * (tile + gap), label + 3 * (tile + gap), 3)
+    # Row 2, third tile = frame 4 of b (frames 0, 2, 4 are picked), enlarged by 4.
+    y, x = tile + gap, label + 2 * (tile + gap)
+    expected = media.to_uint8(b[4])
+    np.testing.assert_array_equal(pixels[y + 4 * 3, x + 4 * 5], expected[3, 5])
+    np.testing.assert_array_equal(pixels[y + 4 * 3 + 3, x + 4 * 5 + 3], expected[3, 5])
+
+
+# ------------------------------------------------------------------------------------------------ modes and table
+
+
+def test_parse_modes_adds_the_reference_and_keeps_order():
+    assert [m.name for m in run.parse_modes("offline")] == ["bf16", "offline"]
+    assert [m.name for m in run.parse_modes("dualscale, mxfp4")] == ["bf16", "mxfp4", "dualscale"]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown mode.*nope.*choose from bf16"):
+        run.parse_modes("mxfp4,nope")
+
+
+def test_unknown_mode_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        run.build_parser().parse_args(["--modes", "fp8"])
+    assert info.value.code == 2 and "unknown mode(s) fp8" in capsys.readouterr().err
+
+
+def test_every_mode_is_a_valid_config():
+    by_name = {m.name: m for m in run.MODES}
+    assert by_name["mxfp4-w4a8"].omni_kwargs(1) == {
+        "quantization_config": {"method": "mxfp4", "w4a8_fallback_steps": [0]}
+    }
+    assert by_name["mxfp4-w4a8"].omni_kwargs(20)["quantization_config"]["w4a8_fallback_steps"] == [0, 19]
+    assert by_name["bf16"].omni_kwargs(20) == {} and by_name["offline"].omni_kwargs(20) == {}
+    for mode in run.MODES:
+        kwargs = mode.omni_kwargs(8)
+        spec = kwargs.get("quantization", kwargs.get("quantization_config"))
+        if spec is not None:
+            assert parse_quantization(spec) is not None, mode.name
+
+
+def test_table_rows():
+    results = [
+        {"mode": "bf16", "psnr": math.inf, "cosine": 1.0, "weight_bytes": 100 * run.MIB, "backend_bytes": 0}
+        | {"load_s": 10.0, "gen_s": 1.234},
+        {"mode": "mxfp4", "psnr": 31.456, "cosine": 0.99123456, "weight_bytes": 46 * run.MIB}
+        | {"backend_bytes": 2 * run.MIB, "load_s": 12.25, "gen_s": 2.0},
+        {"mode": "offline", "error": "boom"},
+    ]
+    rows = run.table_rows(results)
+    assert rows[1] == ["bf16", "inf", "1.00000", "100.00", "1.000x", "0.00", "10.0", "1.23"]
+    assert rows[2] == ["mxfp4", "31.46", "0.99123", "46.00", "0.460x", "2.00", "12.2", "2.00"]
+    assert rows[3][:2] == ["offline", "failed"]
+    text = run.format_table(rows)
+    assert text.splitlines()[1].startswith("----")
+    assert (
+        run.markdown_table(rows).splitlines()[2]
+        == "| bf16 | inf | 1.00000 | 100.00 | 1.000x | 0.00 | 10.0 | 1.23 |"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ engine report
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 32).to(torch.bfloat16)
+        self.tied = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+        self.tied.weight = self.proj.weight  # one storage, counted once
+        self.proj.register_buffer("_mx_weight_dequant", torch.zeros(32, 64), persistent=False)
+        self.register_buffer("freqs", torch.zeros(1000), persistent=False)  # model buffer, not a weight
+        self.moved = torch.nn.Module()
+        self.moved.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        packed = torch.zeros(16, 8, dtype=torch.float32)  # what a CPU GEMM kernel kept
+        self.moved.cpu_linear = lambda x, weight, bias: packed
+
+
+def test_transformer_memory_counts_live_tensors():
+    memory = engine_report.transformer_memory(_Expert())
+    assert memory["kernel_bytes"] == 16 * 8 * 4
+    assert memory["weight_bytes"] == (32 * 64 + 32) * 2 + 16 * 8 * 4
+    assert memory["backend_bytes"] == 32 * 64 * 4
+
+
+def _rank(rank: int, weight: int) -> dict:
+    linears = [
+        {"layer": "blocks.0.attn1.to_qkv", "method": "bf16"},
+        {"layer": "blocks.1.attn1.to_qkv", "method": "mxfp4", "backend": "emulated", "mode": "online"}
+        | {"act_scale_rule": "uos", "precision": "w4a4", "w4a8_steps": [0, 3]},
+        {"layer": "blocks.1.ffn.net_2", "method": "mxfp4", "backend": "emulated", "mode": "online"}
+        | {"act_scale_rule": "uos", "precision": "w4a4", "w4a8_steps": [0, 3]},
+    ]
+    info = {"weight_bytes": weight, "kernel_bytes": 1, "backend_bytes": 2, "linears": linears}
+    return {"rank": rank, "transformers": {"transformer": info}}
+
+
+class _Engine:
+    def __init__(self, results):
+        self.results = results
+
+    def collective_rpc(self, method, timeout=None):
+        assert method == engine_report.RPC_METHOD
+        return self.results
+
+
+class _Omni:
+    def __init__(self, results):
+        self.engine = _Engine(results)
+
+
+def test_reports_sum_ranks_and_summarize():
+    (report,) = engine_report.transformer_reports(_Omni([[_rank(1, 30), _rank(0, 70)]]))
+    assert (report.name, report.weight_bytes, report.kernel_bytes, report.backend_bytes, report.ranks) == (
+        "transformer",
+        100,
+        2,
+        4,
+        2,
+    )
+    assert report.summary() == (
+        "3 Linears: 2 mxfp4 online W4A4 (W4A8 on steps [0, 3]) [backend emulated, A4 scale UOS]; 1 BF16"
+    )
+
+
+def test_reports_fail_clearly():
+    with pytest.raises(
+        RuntimeError, match="could not run mxfp4_transformer_report: no such method.*worker_extension_cls"
+    ):
+        engine_report.transformer_reports(_Omni([{"supported": False, "error": "no such method"}]))
+    with pytest.raises(RuntimeError, match="no engine.collective_rpc"):
+        engine_report.transformer_reports(object())
+    with pytest.raises(RuntimeError, match="no diffusion worker answered"):
+        engine_report.transformer_reports(_Omni([[]]))
+
+
+def test_gathered_ranks_are_counted_once():
+    """vLLM-Omni returns rank 0's reply, which carries every rank's report (gathered over the world group)."""
+    gathered = {"ranks": [_rank(0, 70), _rank(1, 30)]}
+    (report,) = engine_report.transformer_reports(_Omni([[gathered, gathered]]))
+    assert (report.weight_bytes, report.ranks) == (100, 2)
