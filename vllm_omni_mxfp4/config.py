@@ -233,7 +233,8 @@ class _ConfigBase:
     A subclass is a frozen dataclass whose fields are its keys (declared with :func:`_key`) and sets:
     ``METHOD``; ``_SERIALIZED_KEY`` (its offline flag); ``_STORAGE_KEYS`` (what a serialized
     checkpoint config decides); ``_STICKY_TRUE_KEYS`` (booleans that stay true if either the runtime
-    or the checkpoint sets them); ``_EMPTY_ONLY_KEYS`` (accepted keys that must stay empty, with the
+    or the checkpoint sets them); ``_RUNTIME_POLICY_KEYS`` (what a runtime config keeps when the config
+    is rebuilt from a checkpoint's); ``_EMPTY_ONLY_KEYS`` (accepted keys that must stay empty, with the
     reason in ``_EMPTY_ONLY_MESSAGE``).
     """
 
@@ -241,6 +242,7 @@ class _ConfigBase:
     _SERIALIZED_KEY: ClassVar[str]
     _STORAGE_KEYS: ClassVar[tuple[str, ...]]
     _STICKY_TRUE_KEYS: ClassVar[tuple[str, ...]] = ()
+    _RUNTIME_POLICY_KEYS: ClassVar[tuple[str, ...]] = ()
     _EMPTY_ONLY_KEYS: ClassVar[Mapping[str, Callable[[str, Any], Any]]] = MappingProxyType({})
     _EMPTY_ONLY_MESSAGE: ClassVar[str] = ""
 
@@ -341,21 +343,14 @@ class _ConfigBase:
 
     # Reconciliation --------------------------------------------------------------------------------
 
-    def _adopt_storage(self: _C, checkpoint: _C) -> _C:
-        """This runtime config with a serialized checkpoint's storage contract."""
-        changes = {name: getattr(checkpoint, name) for name in self._STORAGE_KEYS}
+    def _rebuilt_from(self: _C, checkpoint: _C) -> _C:
+        """The checkpoint's config with this runtime config's runtime policies (W4A8 lists, scale
+        algorithm) and the union of both Smooth requirements: vLLM-Omni's rebuild."""
+        changes = {name: getattr(self, name) for name in self._RUNTIME_POLICY_KEYS}
         changes.update(
             {name: getattr(self, name) or getattr(checkpoint, name) for name in self._STICKY_TRUE_KEYS}
         )
-        if self.ignored_layers and self.ignored_layers != checkpoint.ignored_layers:
-            logger.warning(
-                "The checkpoint's serialized %s config is the storage contract: its ignored_layers %s "
-                "replace the runtime's %s.",
-                self.METHOD,
-                list(checkpoint.ignored_layers),
-                list(self.ignored_layers),
-            )
-        return replace(self, **changes)
+        return replace(checkpoint, **changes)
 
 
 def _merge_alias(name: str, first: tuple, second: tuple) -> tuple:
@@ -384,6 +379,11 @@ class Mxfp4Config(_ConfigBase):
     _SERIALIZED_KEY: ClassVar[str] = "is_checkpoint_mxfp4_serialized"
     _STORAGE_KEYS: ClassVar[tuple[str, ...]] = ("is_checkpoint_mxfp4_serialized", "ignored_layers")
     _STICKY_TRUE_KEYS: ClassVar[tuple[str, ...]] = ("require_smooth_scale",)
+    _RUNTIME_POLICY_KEYS: ClassVar[tuple[str, ...]] = (
+        "w4a8_fallback_layers",
+        "w4a8_fallback_steps",
+        "mxfp4_scale_alg",
+    )
 
     def _check_combination(self) -> None:
         if self.require_smooth_scale and not self.is_checkpoint_mxfp4_serialized:
@@ -618,19 +618,28 @@ def _checkpoint_method(checkpoint_qc: Mapping | str | None) -> tuple[str | None,
 def reconcile_with_checkpoint(
     runtime: QuantConfig | None, checkpoint_qc: Mapping | str | None
 ) -> QuantConfig | None:
-    """Combine a runtime config with a checkpoint's ``quantization_config``.
+    """Combine a runtime config with a checkpoint's ``quantization_config``, as vLLM-Omni does.
+
+    This mirrors ``vllm_omni.quantization.factory.resolve_quant_config_from_disk`` (0.30), which is
+    what the engine runs for each Wan expert, so that the example and the docs report what the
+    engine will do:
 
     - No checkpoint config: the runtime config (``None`` stays ``None``: an unquantized model).
     - No runtime config: auto-detection builds the checkpoint's config, saved policies included.
     - Different methods: ValueError telling the user to pass the matching flag or omit it.
     - A method-only checkpoint value (``"mxfp4"``, ``{"quant_method": "mxfp4"}``): the runtime config
       unchanged.
-    - A serialized checkpoint config is the complete storage contract: its serialized flag and its
-      ``ignored_layers`` (or alias; omitted means none) replace the runtime's. The runtime keeps its
-      W4A8 lists (explicit empty lists included), scale algorithm, backend and leading-block rule;
-      ``require_smooth_scale`` is true if either side sets it.
-    - An online checkpoint config stores BF16 weights: the runtime config decides the policies, and
-      a runtime config that claims serialized weights is an error.
+    - Otherwise the checkpoint dict is the base and the runtime contributes its runtime policies:
+      the W4A8 lists (explicit empty lists included) and the scale algorithm;
+      ``require_smooth_scale`` is true if either side sets it. A serialized checkpoint's
+      ``ignored_layers`` (or alias; omitted means none) is its storage contract. The result is
+      rebuilt from that base when the checkpoint is serialized and the runtime config is not, when
+      the Smooth requirement changes, or when the ``ignored_layers`` differ; every other runtime key
+      (``backend``, ``num_bf16_fallback_layers``) then takes the checkpoint's value or its default
+      (``VLLM_OMNI_MXFP4_BACKEND`` picks the backend in that case). Without a rebuild the runtime
+      config stands.
+    - A runtime config that claims serialized weights against an online checkpoint config is an
+      error here (the engine would fail loading the BF16 weights).
     """
     if runtime is not None and not isinstance(runtime, _CONFIG_TYPES):
         raise TypeError(f"runtime must be an mxfp4 / mxfp4_dualscale config or None, got {_show(runtime)}.")
@@ -650,22 +659,28 @@ def reconcile_with_checkpoint(
     if details is None:
         return runtime
     checkpoint = type(runtime).from_dict(details)
-    if checkpoint.is_serialized:
-        return runtime._adopt_storage(checkpoint)
-    if runtime.is_serialized:
+    if runtime.is_serialized and not checkpoint.is_serialized:
         raise ValueError(
             f"The runtime {runtime.METHOD!r} config sets {runtime._SERIALIZED_KEY}=true, but the checkpoint's "
             "quantization_config declares unquantized (online) weights. Drop the flag to quantize online, "
             "or load a pre-quantized checkpoint."
         )
-    if checkpoint.ignored_layers != runtime.ignored_layers:
-        logger.info(
-            "The checkpoint suggests ignored_layers %s for online %s; the explicit runtime config's %s apply.",
-            list(checkpoint.ignored_layers),
+    rebuilt = runtime._rebuilt_from(checkpoint)
+    needs_rebuild = (
+        (checkpoint.is_serialized and not runtime.is_serialized)
+        or rebuilt.ignored_layers != runtime.ignored_layers
+        or getattr(rebuilt, "require_smooth_scale", False) != getattr(runtime, "require_smooth_scale", False)
+    )
+    if not needs_rebuild:
+        return runtime
+    if runtime.ignored_layers and rebuilt.ignored_layers != runtime.ignored_layers:
+        logger.warning(
+            "The checkpoint's %s config sets ignored_layers %s, which replace the runtime's %s.",
             runtime.METHOD,
+            list(rebuilt.ignored_layers),
             list(runtime.ignored_layers),
         )
-    return runtime
+    return rebuilt
 
 
 def resolve_component(

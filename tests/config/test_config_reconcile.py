@@ -164,7 +164,7 @@ def test_method_only_dualscale_checkpoint_keeps_the_runtime_policy():
 # --------------------------------------------------------------------------------------------------
 
 
-def test_serialized_checkpoint_sets_storage_and_runtime_keeps_its_policies():
+def test_serialized_checkpoint_sets_storage_and_runtime_keeps_its_runtime_policies():
     config = reconcile_with_checkpoint(RUNTIME, SERIALIZED_MXFP4)
     assert config == Mxfp4Config(
         is_checkpoint_mxfp4_serialized=True,
@@ -172,14 +172,14 @@ def test_serialized_checkpoint_sets_storage_and_runtime_keeps_its_policies():
         w4a8_fallback_layers=("blocks.10.attn1.to_qkv",),
         w4a8_fallback_steps=(0, 39),
         mxfp4_scale_alg=2,
-        backend="emulated",
+        backend="auto",  # the checkpoint's (default); VLLM_OMNI_MXFP4_BACKEND chooses it then
     )
 
 
 def test_serialized_checkpoint_replacing_runtime_ignored_layers_is_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="vllm_omni_mxfp4.config"):
         reconcile_with_checkpoint(RUNTIME, SERIALIZED_MXFP4)
-    assert "storage contract" in caplog.text
+    assert "replace the runtime's" in caplog.text
     assert "blocks.3.ffn.net_2" in caplog.text
 
 
@@ -221,14 +221,23 @@ def test_explicit_runtime_w4a8_lists_win_over_saved_ones_including_empty_lists()
     assert config.w4a8_fallback_steps == (5,)
 
 
-def test_runtime_scale_algorithm_and_backend_survive_the_rebuild():
+def test_runtime_scale_algorithm_survives_the_rebuild_but_not_its_backend():
+    # As vLLM-Omni's resolve_quant_config_from_disk: a rebuild keeps the W4A8 lists and the scale
+    # algorithm of the runtime config; the backend comes from the checkpoint (or its default).
     saved = {**SERIALIZED_MXFP4, "mxfp4_scale_alg": 2, "backend": "npu"}
     config = reconcile_with_checkpoint(Mxfp4Config(backend="emulated"), saved)
     assert config.mxfp4_scale_alg == 0
-    assert config.backend == "emulated"
-    config = reconcile_with_checkpoint(Mxfp4Config(mxfp4_scale_alg=2), SERIALIZED_MXFP4)
-    assert config.mxfp4_scale_alg == 2
-    assert config.scale_rule == "uos"
+    assert config.backend == "npu"
+    config = reconcile_with_checkpoint(Mxfp4Config(mxfp4_scale_alg=2, backend="emulated"), SERIALIZED_MXFP4)
+    assert config.mxfp4_scale_alg == 2 and config.scale_rule == "uos"
+    assert config.backend == "auto"
+
+
+def test_no_rebuild_keeps_the_whole_runtime_config():
+    runtime = Mxfp4Config(
+        is_checkpoint_mxfp4_serialized=True, ignored_layers=SERIALIZED_MXFP4["ignored_layers"], backend="emulated"
+    )
+    assert reconcile_with_checkpoint(runtime, SERIALIZED_MXFP4) is runtime
 
 
 @pytest.mark.parametrize(
@@ -256,14 +265,14 @@ def test_checkpoint_require_smooth_scale_must_be_a_boolean(value):
         reconcile_with_checkpoint(Mxfp4Config(), {**SERIALIZED_MXFP4, "require_smooth_scale": value})
 
 
-def test_dualscale_serialized_checkpoint_keeps_runtime_leading_block_rule_and_backend():
+def test_dualscale_serialized_checkpoint_rebuild_takes_the_checkpoints_other_keys():
     runtime = Mxfp4DualScaleConfig(num_bf16_fallback_layers=2, backend="emulated")
     config = reconcile_with_checkpoint(runtime, {**SERIALIZED_DUAL, "num_bf16_fallback_layers": 9})
     assert config == Mxfp4DualScaleConfig(
         is_checkpoint_serialized=True,
         ignored_layers=SERIALIZED_DUAL["ignored_layers"],
-        num_bf16_fallback_layers=2,
-        backend="emulated",
+        num_bf16_fallback_layers=9,
+        backend="auto",
     )
 
 
@@ -285,15 +294,23 @@ def test_relabelled_dualscale_checkpoint_is_caught_by_strict_keys():
 # --------------------------------------------------------------------------------------------------
 
 
-def test_online_checkpoint_config_leaves_an_explicit_runtime_config_alone(caplog):
+def test_online_checkpoint_config_with_other_ignored_layers_wins(caplog):
     checkpoint = {
         "quant_method": "mxfp4",
         "is_checkpoint_mxfp4_serialized": False,
         "ignored_layers": ["proj_out"],
     }
-    with caplog.at_level(logging.INFO, logger="vllm_omni_mxfp4.config"):
-        assert reconcile_with_checkpoint(RUNTIME, checkpoint) is RUNTIME
+    with caplog.at_level(logging.WARNING, logger="vllm_omni_mxfp4.config"):
+        config = reconcile_with_checkpoint(RUNTIME, checkpoint)
+    assert config.ignored_layers == ("proj_out",)
+    assert config.w4a8_fallback_steps == RUNTIME.w4a8_fallback_steps
+    assert config.mxfp4_scale_alg == RUNTIME.mxfp4_scale_alg and config.backend == "auto"
     assert "['proj_out']" in caplog.text
+
+
+def test_online_checkpoint_config_with_the_same_ignored_layers_keeps_the_runtime_config():
+    checkpoint = {"quant_method": "mxfp4", "ignored_layers": list(RUNTIME.ignored_layers)}
+    assert reconcile_with_checkpoint(RUNTIME, checkpoint) is RUNTIME
 
 
 def test_runtime_claiming_serialized_weights_against_an_online_checkpoint():
@@ -358,10 +375,10 @@ def test_auto_detection_resolves_each_expert_independently():
 
 
 def test_global_runtime_config_applies_to_both_experts_with_their_own_storage():
-    runtime = Mxfp4DualScaleConfig(backend="emulated")
+    runtime = Mxfp4DualScaleConfig(ignored_layers=["blocks.5.attn2.to_q"])
     first = resolve_component(runtime, "transformer", EXPERT_1)
     second = resolve_component(runtime, "transformer_2", EXPERT_2)
-    assert (first.backend, second.backend) == ("emulated", "emulated")
+    assert first.is_checkpoint_serialized and second.is_checkpoint_serialized
     assert first.ignored_layers == ("blocks.0.attn1.to_qkv",)
     assert second.ignored_layers == ("blocks.39.ffn.net_2", "proj_out")
 
