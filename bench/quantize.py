@@ -3,9 +3,11 @@
     python bench/quantize.py [--sizes 4096 8192] [--repeats 7] [--device cpu]
 
 For bf16 inputs of N x N it times quantize (GB/s of bf16 input) and dequantize (GB/s of bf16
-output) for fp4/floor, fp4/uos and dual-scale, and a plain copy of the same tensor (GB/s read +
-write). The ratio column is op time / copy time: these machines are noisy, so compare ratios, not
-absolute numbers. When torchao is installed it also times ``MXTensor.to_mx`` (FLOOR) on the same
+output) for fp4/floor, fp4/uos and dual-scale, next to two copies of the same tensor (GB/s read +
+write): ``clone()`` (into fresh memory, which the OS must fault in page by page) and ``copy_()``
+into a preallocated tensor (the memory-bandwidth limit). Quantize writes fresh outputs like
+``clone()``; dequantize is timed both ways (``out=``). The ratio column is op time / clone time:
+these machines are noisy, so compare ratios, not absolute numbers. When torchao is installed it also times ``MXTensor.to_mx`` (FLOOR) on the same
 tensor and reports the speed ratio and the fraction of bytes on which the two agree.
 """
 
@@ -72,13 +74,24 @@ def main() -> None:
         x = torch.randn(n, n, generator=g, device=device).to(torch.bfloat16)
         nbytes = x.numel() * x.element_size()
         t_copy = timed(lambda x=x: x.clone(), args.repeats, device)
-        rows = [("copy (read+write)", t_copy, 2 * nbytes / t_copy)]
+        dst = torch.empty_like(x)
+        t_copy_pre = timed(lambda x=x, dst=dst: dst.copy_(x), args.repeats, device)
+        rows = [
+            ("copy: clone()", t_copy, 2 * nbytes / t_copy),
+            ("copy: copy_() prealloc", t_copy_pre, 2 * nbytes / t_copy_pre),
+        ]
         for rule in ("floor", "uos"):
             t = timed(lambda x=x, rule=rule: quantize_mx(x, scale_rule=rule), args.repeats, device)
             rows.append((f"quantize fp4/{rule}", t, nbytes / t))
         data, scale = quantize_mx(x)
         t = timed(lambda d=data, s=scale: dequantize_mx(d, s, dtype=torch.bfloat16), args.repeats, device)
         rows.append(("dequantize fp4", t, nbytes / t))
+        t = timed(
+            lambda d=data, s=scale, o=dst: dequantize_mx(d, s, dtype=torch.bfloat16, out=o),
+            args.repeats,
+            device,
+        )
+        rows.append(("dequantize fp4 (out=)", t, nbytes / t))
         t = timed(lambda x=x: quantize_dualscale(x), args.repeats, device)
         rows.append(("quantize dual-scale", t, nbytes / t))
         dd, ds, dl0 = quantize_dualscale(x)
@@ -90,7 +103,7 @@ def main() -> None:
             print(f"{n:>5}x{n:<4} {name:<24} {t * 1e3:9.2f} {rate / 1e9:8.2f} {t / t_copy:8.1f}")
         if ao is not None:
             t_ao = timed(lambda x=x: ao(x), max(2, args.repeats // 2), device)
-            ours_t = rows[1][1]
+            ours_t = rows[2][1]
             ao_data, ao_scale = ao(x)
             agree_data = (ao_data == data).float().mean().item()
             agree_scale = (ao_scale == scale).float().mean().item()
@@ -101,8 +114,8 @@ def main() -> None:
     if ao is None and device.type == "cpu":
         print("torchao not installed: no peer comparison (pip install torchao to add it)")
     print(
-        "Summary: GB/s counts bf16 bytes in (quantize) or out (dequantize); 'x copy' is time relative to "
-        "copying the same tensor in this run (read+write of 2 bytes per element)."
+        "Summary: GB/s counts bf16 bytes in (quantize) or out (dequantize), copies count read + write; "
+        "'x copy' is time relative to clone() of the same tensor in this run."
     )
 
 

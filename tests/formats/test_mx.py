@@ -399,3 +399,21 @@ def test_fake_quantize_equals_dequantize_of_quantize(dtype, rule, elem):
     assert qdq.dtype == dtype and qdq.shape == x.shape
     assert torch.equal(qdq.isnan(), want.isnan())
     assert torch.equal(qdq.nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+def test_dequantize_into_a_given_output():
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    data, scale = quantize_mx(x)
+    out = torch.full((3, 5, 64), 7.0, dtype=torch.bfloat16)
+    got = dequantize_mx(data, scale, dtype=torch.bfloat16, out=out)
+    assert got is out
+    assert torch.equal(out, dequantize_mx(data, scale, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be"):
+        dequantize_mx(data, scale, dtype=torch.float32, out=out)
+    with pytest.raises(ValueError, match="contiguous"):
+        dequantize_mx(
+            data,
+            scale,
+            dtype=torch.bfloat16,
+            out=torch.empty(64, 5, 3, dtype=torch.bfloat16).permute(2, 1, 0),
+        )

@@ -152,12 +152,14 @@ def dequantize_mx(
     elem: str = "fp4",
     block_size: int = MX_BLOCK_SIZE,
     dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Values of MX data: element value x 2^(scale - 127), in ``dtype``; scale 0xFF gives NaN.
 
     ``data`` is packed uint8 (..., K/2) for fp4 or float8_e4m3fn (..., K) for fp8; ``scale`` is
     uint8 (..., ceil(K/block_size)) (or float8_e8m0fnu). The product is exact in float32, so any
-    output dtype sees a single rounding.
+    output dtype sees a single rounding. ``out``: a contiguous (..., K) tensor of ``dtype`` to write
+    into (reusing memory avoids the page faults of a fresh large allocation).
     """
     fmt = elem_format(elem)
     if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
@@ -180,9 +182,20 @@ def dequantize_mx(
         )
     lead = data.shape[:-1]
     rows = data.numel() // data.shape[-1] if data.shape[-1] else 0
-    out = torch.empty((rows, k), dtype=dtype, device=data.device)
+    if out is None:
+        result = torch.empty((*lead, k), dtype=dtype, device=data.device)
+    else:
+        if tuple(out.shape) != (*lead, k) or out.dtype != dtype or out.device != data.device:
+            raise ValueError(
+                f"dequantize_mx: out must be {dtype} {(*lead, k)} on {data.device}, got {out.dtype} "
+                f"{tuple(out.shape)} on {out.device}"
+            )
+        if not out.is_contiguous():
+            raise ValueError("dequantize_mx: out must be contiguous")
+        result = out
+    out = result.view(rows, k)
     if rows == 0 or k == 0:
-        return out.reshape(*lead, k)
+        return result
     flat_data = data.reshape(rows, data.shape[-1])
     flat_scale = scale.reshape(rows, groups)
     pad = groups * block_size - k
@@ -213,7 +226,7 @@ def dequantize_mx(
             )
         else:
             out[start : start + step] = (vals.view(n, groups, block_size) * s.unsqueeze(-1)).view(n, k)
-    return out.reshape(*lead, k)
+    return result
 
 
 def fake_quantize_mx(x: torch.Tensor, *, elem: str = "fp4", scale_rule: str = "floor") -> torch.Tensor:
