@@ -19,6 +19,7 @@ torchvision build, leave it out.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import sys
 
@@ -50,10 +51,8 @@ class _TorchvisionFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "torchvision":
             _patch_register_fake()
-            try:
+            with contextlib.suppress(ValueError):
                 sys.meta_path.remove(self)
-            except ValueError:
-                pass
         return None
 
 
