@@ -235,7 +235,9 @@ def test_runtime_scale_algorithm_survives_the_rebuild_but_not_its_backend():
 
 def test_no_rebuild_keeps_the_whole_runtime_config():
     runtime = Mxfp4Config(
-        is_checkpoint_mxfp4_serialized=True, ignored_layers=SERIALIZED_MXFP4["ignored_layers"], backend="emulated"
+        is_checkpoint_mxfp4_serialized=True,
+        ignored_layers=SERIALIZED_MXFP4["ignored_layers"],
+        backend="emulated",
     )
     assert reconcile_with_checkpoint(runtime, SERIALIZED_MXFP4) is runtime
 

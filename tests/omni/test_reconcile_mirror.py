@@ -23,11 +23,20 @@ CASES = [
     (None, "mxfp4"),
     (Mxfp4Config(), None),
     (Mxfp4Config(backend="emulated", mxfp4_scale_alg=2, w4a8_fallback_steps=[0, 3]), SERIALIZED),
-    (Mxfp4Config(ignored_layers=["blocks.0.ffn.net_2"], w4a8_fallback_layers=["blocks.1.attn2.to_q"]), SERIALIZED),
-    (Mxfp4Config(is_checkpoint_mxfp4_serialized=True, ignored_layers=["proj_out"], backend="emulated"), SERIALIZED),
+    (
+        Mxfp4Config(ignored_layers=["blocks.0.ffn.net_2"], w4a8_fallback_layers=["blocks.1.attn2.to_q"]),
+        SERIALIZED,
+    ),
+    (
+        Mxfp4Config(is_checkpoint_mxfp4_serialized=True, ignored_layers=["proj_out"], backend="emulated"),
+        SERIALIZED,
+    ),
     (Mxfp4Config(require_smooth_scale=True, is_checkpoint_mxfp4_serialized=True), SERIALIZED),
     (Mxfp4Config(), {**SERIALIZED, "require_smooth_scale": True}),
-    (Mxfp4Config(ignored_layers=["proj_out"]), {"quant_method": "mxfp4", "ignored_layers": ["blocks.2.ffn.net_2"]}),
+    (
+        Mxfp4Config(ignored_layers=["proj_out"]),
+        {"quant_method": "mxfp4", "ignored_layers": ["blocks.2.ffn.net_2"]},
+    ),
     (Mxfp4Config(ignored_layers=["proj_out"]), {"quant_method": "mxfp4"}),
     (Mxfp4Config(backend="emulated"), "mxfp4"),
     (Mxfp4DualScaleConfig(num_bf16_fallback_layers=2, backend="emulated"), SERIALIZED_DUAL),
