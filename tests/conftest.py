@@ -2,6 +2,9 @@
 
 ``vllm_env``: vLLM-Omni's diffusion configs plus an initialized TP=1 gloo process group in this
 process, as the diffusion worker sets them up, for tests that build vLLM / vLLM-Omni layers here.
+It is module-scoped: the process group is torn down after each module, because other code that
+runs in the same pytest process (msModelSlim's quantizers) changes behaviour when
+``torch.distributed`` is initialized.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class VllmEnv:
             yield
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_env():
     if importlib.util.find_spec("vllm_omni") is None:
         pytest.skip("vllm / vllm-omni not installed")
@@ -73,3 +76,11 @@ def vllm_env():
     yield env
     destroy_model_parallel()
     destroy_distributed_environment()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_leaks_into_other_modules():
+    """Fail loudly if a module leaves torch.distributed initialized for the next one."""
+    yield
+    if torch.distributed.is_available():
+        assert not torch.distributed.is_initialized(), "a test module left torch.distributed initialized"
