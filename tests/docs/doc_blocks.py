@@ -45,13 +45,14 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.platform.omni_procs import reap_group
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC_FILES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
@@ -342,38 +343,6 @@ def check_output(expected: Block, output: str) -> None:
             )
 
 
-def _group_members(pgid: int) -> list[int]:
-    import psutil
-
-    members = []
-    for proc in psutil.process_iter(["pid", "status"]):
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                members.append(proc.pid)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return members
-
-
-def end_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
-    """SIGTERM the process group led by ``proc`` (a new session), then SIGKILL what is left."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + grace
-        while _group_members(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not _group_members(proc.pid):
-            break
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-
-
 def _wait_healthy(port: int, proc: subprocess.Popen, log: Path, timeout: float) -> None:
     import urllib.error
     import urllib.request
@@ -426,11 +395,11 @@ def run_session(session: Session, workdir: Path) -> None:
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                end_group(proc)
+                reap_group(proc, settle=0)
                 raise AssertionError(
                     f"{step.block.where}: did not finish within {timeout:.0f}s; output:\n{_tail(log)}"
                 ) from None
-            end_group(proc)
+            reap_group(proc, settle=0)
             expected = int(step.marker.options.get("exit", "0"))
             output = log.read_text(errors="replace")
             if proc.returncode != expected:
@@ -442,7 +411,7 @@ def run_session(session: Session, workdir: Path) -> None:
                 check_output(documented_output, output)
     finally:
         for server in servers:
-            end_group(server, grace=30.0)
+            reap_group(server, settle=0, term_grace=30.0)
 
 
 # --------------------------------------------------------------------------------------------------
