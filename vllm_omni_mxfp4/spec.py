@@ -1,0 +1,217 @@
+"""The facts of the MX formats and of a quantized Linear's checkpoint tensors, written once.
+
+Standard library only, so that every layer of the package reads the same table: the runtime loader
+(:mod:`vllm_omni_mxfp4.omni`, torch tensors), the kernels (shape checks before a vendor call) and
+the merge (:mod:`vllm_omni_mxfp4.checkpoint`, numpy arrays, no torch). A rule that lives here
+cannot differ between the code that writes a checkpoint and the code that loads it.
+
+- Constants: block sizes, the E8M0 bias and NaN code, the E2M1 grid, the UOS maximum.
+- :class:`CheckpointTensor`: one record per checkpoint tensor of a quantized Linear (name, stored
+  dtype, shape as a function of the partition's ``(N, K)``, the axis a row-parallel shard slices and
+  how many K elements one index covers there, the value rule).
+- :data:`VALUE_RULES`: what a valid value is, as a predicate over an array module (``numpy`` or
+  ``torch``), so the loader and the merge flag the same bad values.
+- :func:`checkpoint_tensors`: the tensors of each format (``mxfp4``, ``mxfp4_dualscale``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# ----------------------------------------------------------------------------------- constants
+
+MX_BLOCK = 32
+"""Elements that share one E8M0 scale (OCP MX)."""
+
+DUAL_BLOCK = 512
+"""Elements that share one float32 coarse scale in the dual-level (DualScale) format."""
+
+E8M0_BIAS = 127
+"""E8M0 code ``c`` encodes ``2 ** (c - E8M0_BIAS)``."""
+
+E8M0_NAN = 0xFF
+"""The E8M0 code of a block with a NaN or infinite element; it makes the whole block NaN."""
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""Magnitudes of the E2M1 codes 0..7; codes 8..15 are the same values negated (sign in bit 3)."""
+
+E2M1_MAX = 6.0
+"""The largest E2M1 magnitude."""
+
+E4M3_MAX = 448.0
+"""The largest FP8 E4M3 (``float8_e4m3fn``) magnitude."""
+
+UOS_DST_TYPE_MAX = 7.25
+"""``dst_type_max`` of the NPU's UOS scale rule (``scale_alg=2``) for FP4 E2M1."""
+
+
+FORMATS = ("mxfp4", "mxfp4_dualscale")
+"""The quantized Linear formats (one vLLM-Omni quantization method each)."""
+
+BACKENDS = ("emulated", "npu", "rocm")
+"""The hardware a kernel is written for. The kernel registry maps (format, backend) to an
+implementation; configs and ``VLLM_OMNI_MXFP4_BACKEND`` accept these names plus ``auto``."""
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative integers."""
+    return -(-a // b)
+
+
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is ``>= value``."""
+    return ceil_div(value, multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------- value rules
+
+
+@dataclass(frozen=True)
+class ValueRule:
+    """What a valid value of a tensor is.
+
+    ``bad(values, xp)`` returns a boolean array marking invalid elements, with ``xp`` the array
+    module (``numpy`` or ``torch``; both have ``isfinite`` and the operators used). ``expected``
+    says in words what a valid value is, and ``cause`` what usually produced an invalid one.
+    """
+
+    name: str
+    expected: str
+    cause: str
+    bad: Callable[[Any, Any], Any]
+
+
+VALUE_RULES: dict[str, ValueRule] = {
+    rule.name: rule
+    for rule in (
+        ValueRule("any", "any value", "", lambda v, xp: v != v),  # packed FP4 bytes: every byte is valid
+        ValueRule(
+            "e8m0",
+            "E8M0 codes other than 0xFF (NaN)",
+            "a NaN or Inf in the weight when it was quantized, or a corrupt file",
+            lambda v, xp: v == E8M0_NAN,
+        ),
+        ValueRule(
+            "finite_nonnegative",
+            "finite values >= 0",
+            "a corrupt file or a calibration that diverged",
+            lambda v, xp: ~xp.isfinite(v) | (v < 0),
+        ),
+        ValueRule(
+            "finite_positive",
+            "finite values > 0",
+            "a Smooth calibration that divided by zero or diverged, or a corrupt file",
+            lambda v, xp: ~xp.isfinite(v) | ~(v > 0),
+        ),
+        ValueRule(
+            "finite",
+            "finite values",
+            "a NaN or Inf in the original weights, or a corrupt file",
+            lambda v, xp: ~xp.isfinite(v),
+        ),
+    )
+}
+
+
+# ---------------------------------------------------------------------------- checkpoint tensors
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One tensor of a quantized Linear in a checkpoint, and its rules.
+
+    ``shape(n, k)`` is the stored shape for a Linear of ``n`` outputs and ``k`` inputs (the whole
+    checkpoint tensor, or one partition's share with its block-aligned ``k``). ``k_axis`` is the
+    axis that a row-parallel shard slices (``None``: the tensor has no K axis) and ``k_per_index``
+    how many K elements one index of that axis covers (2 for packed FP4 bytes, 32 for E8M0 scales,
+    512 for coarse scales, 1 for the Smooth vector).
+    """
+
+    name: str
+    dtypes: tuple[str, ...]
+    shape_text: str
+    shape: Callable[[int, int], tuple[int, ...]]
+    k_axis: int | None
+    k_per_index: int
+    values: str
+    required: bool
+
+    @property
+    def value_rule(self) -> ValueRule:
+        return VALUE_RULES[self.values]
+
+    def k_slice(self, lo: int, hi: int) -> tuple[int, int]:
+        """Indices ``[start, stop)`` along :attr:`k_axis` that hold K elements ``[lo, hi)``.
+
+        ``lo`` must be a multiple of :attr:`k_per_index` (a shard's block-aligned start).
+        """
+        if self.k_axis is None:
+            raise ValueError(f"{self.name} has no K axis to shard")
+        if lo % self.k_per_index:
+            raise ValueError(f"{self.name}: K offset {lo} is not a multiple of {self.k_per_index}")
+        return lo // self.k_per_index, ceil_div(hi, self.k_per_index)
+
+    def describe(self) -> str:
+        """``weight_scale: U8 (N, ceil(K/32))`` for messages and docs."""
+        return f"{self.name}: {' or '.join(self.dtypes)} {self.shape_text}"
+
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+"""safetensors dtypes of unquantized floating-point tensors."""
+
+WEIGHT_FP4 = CheckpointTensor(
+    "weight", ("U8",), "(N, K/2)", lambda n, k: (n, k // 2), 1, 2, "any", required=True
+)
+WEIGHT_SCALE = CheckpointTensor(
+    "weight_scale",
+    ("U8",),
+    "(N, ceil(K/32))",
+    lambda n, k: (n, ceil_div(k, MX_BLOCK)),
+    1,
+    MX_BLOCK,
+    "e8m0",
+    required=True,
+)
+WEIGHT_DUAL_SCALE = CheckpointTensor(
+    "weight_dual_scale",
+    ("F32",),
+    "(N, ceil(K/512), 1)",
+    lambda n, k: (n, ceil_div(k, DUAL_BLOCK), 1),
+    1,
+    DUAL_BLOCK,
+    "finite_nonnegative",
+    required=True,
+)
+MUL_SCALE = CheckpointTensor(
+    "mul_scale", ("F32",) + FLOAT_DTYPES[:2], "(K,)", lambda n, k: (k,), 0, 1, "finite_positive", required=False
+)
+MUL_SCALE_REQUIRED = CheckpointTensor(
+    "mul_scale", MUL_SCALE.dtypes, "(K,)", lambda n, k: (k,), 0, 1, "finite_positive", required=True
+)
+BIAS = CheckpointTensor("bias", FLOAT_DTYPES, "(N,)", lambda n, k: (n,), None, 1, "finite", required=False)
+
+FORMAT_TENSORS: dict[str, tuple[CheckpointTensor, ...]] = {
+    "mxfp4": (WEIGHT_FP4, WEIGHT_SCALE, MUL_SCALE, BIAS),
+    "mxfp4_dualscale": (WEIGHT_FP4, WEIGHT_SCALE, WEIGHT_DUAL_SCALE, MUL_SCALE_REQUIRED, BIAS),
+}
+"""The checkpoint tensors of each format's quantized Linear (``mul_scale`` is optional for
+``mxfp4`` unless the config sets ``require_smooth_scale``)."""
+
+
+def checkpoint_tensors(fmt: str) -> tuple[CheckpointTensor, ...]:
+    """The checkpoint tensors of format ``fmt``; ``ValueError`` naming the known formats."""
+    try:
+        return FORMAT_TENSORS[fmt]
+    except KeyError:
+        raise ValueError(f"unknown MX format {fmt!r}; known: {sorted(FORMAT_TENSORS)}") from None
+
+
+def checkpoint_tensor(fmt: str, name: str) -> CheckpointTensor:
+    """The record of tensor ``name`` in format ``fmt``; ``ValueError`` naming the format's tensors."""
+    for tensor in checkpoint_tensors(fmt):
+        if tensor.name == name:
+            return tensor
+    known = [t.name for t in checkpoint_tensors(fmt)]
+    raise ValueError(f"{name!r} is not a checkpoint tensor of a {fmt} Linear; expected one of {known}")
