@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 
 import psutil
 import pytest
 import torch
 from omni_procs import omni_installed
+
+from vllm_omni_mxfp4 import envs
+
+DEVICES_ENV = envs.CPU_DEVICES.name
+VISIBLE_DEVICES_ENV = envs.CPU_VISIBLE_DEVICES.name
 
 pytestmark = [
     pytest.mark.omni,
@@ -18,15 +25,13 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def platform():
-    from vllm_omni_mxfp4.platform.cpu_platform import CpuOmniPlatform
+    from vllm_omni_mxfp4.platform import CpuOmniPlatform
 
     return CpuOmniPlatform()
 
 
 @pytest.fixture
 def clean_device_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_omni_mxfp4.platform import DEVICES_ENV, VISIBLE_DEVICES_ENV
-
     monkeypatch.delenv(DEVICES_ENV, raising=False)
     monkeypatch.delenv(VISIBLE_DEVICES_ENV, raising=False)
 
@@ -48,6 +53,31 @@ def test_identity(platform) -> None:
     assert platform.supports_cpu_offload() is False
 
 
+def test_the_class_path_vllm_omni_loads_is_the_public_class(platform) -> None:
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from vllm_omni_mxfp4.platform import PLATFORM_CLASS
+
+    assert resolve_obj_by_qualname(PLATFORM_CLASS) is type(platform)
+
+
+def test_the_class_imports_first_in_a_fresh_process() -> None:
+    """Importing the class before ``vllm_omni`` must not meet vLLM-Omni's platform resolution half-way."""
+    from vllm_omni_mxfp4.platform import detected_accelerators
+
+    code = (
+        "from vllm_omni_mxfp4.platform import CpuOmniPlatform\n"
+        "from vllm_omni.platforms import current_omni_platform\n"
+        "print(CpuOmniPlatform.__name__, type(current_omni_platform) is CpuOmniPlatform)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != envs.CPU_PLATFORM.name}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-2:] == ["CpuOmniPlatform", str(not detected_accelerators())]
+
+
 def test_device_calls_are_no_ops(platform) -> None:
     assert platform.set_device(torch.device("cpu")) is None
     assert platform.synchronize() is None
@@ -59,8 +89,6 @@ def test_device_count_defaults_to_usable_cores(platform, clean_device_env: None)
 
 
 def test_device_count_from_env(platform, clean_device_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm_omni_mxfp4.platform import DEVICES_ENV, VISIBLE_DEVICES_ENV
-
     monkeypatch.setenv(DEVICES_ENV, "5")
     assert platform.get_device_count() == 5
     # vLLM-Omni's per-stage visibility list wins, as CUDA_VISIBLE_DEVICES does for CUDA.
@@ -73,8 +101,6 @@ def test_device_count_from_env(platform, clean_device_env: None, monkeypatch: py
 def test_bad_device_count_is_a_clear_error(
     platform, clean_device_env: None, monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
-    from vllm_omni_mxfp4.platform import DEVICES_ENV
-
     monkeypatch.setenv(DEVICES_ENV, value)
     with pytest.raises(ValueError, match=DEVICES_ENV):
         platform.get_device_count()

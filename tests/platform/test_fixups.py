@@ -141,14 +141,15 @@ def test_install_only_where_the_cpu_platform_is_selected(
     worker_proc_cls, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import vllm_omni_mxfp4.platform as plat
+    from vllm_omni_mxfp4 import envs
     from vllm_omni_mxfp4.platform.fixups import cpu_async_output_loop, upstream_async_output_loop
 
     upstream = worker_proc_cls.__dict__["_async_output_loop"]
-    monkeypatch.setenv(plat.PLATFORM_ENV, "off")
+    monkeypatch.setenv(envs.CPU_PLATFORM.name, "off")
     plat.install_fixups()
     assert worker_proc_cls.__dict__["_async_output_loop"] is upstream
 
-    monkeypatch.setenv(plat.PLATFORM_ENV, "on")
+    monkeypatch.setenv(envs.CPU_PLATFORM.name, "on")
     plat.install_fixups()
     installed = worker_proc_cls.__dict__["_async_output_loop"]
     assert installed is not upstream

@@ -1,13 +1,15 @@
 """``CpuOmniPlatform``: vLLM-Omni's platform interface implemented for the host CPU.
 
-Import it as ``vllm_omni_mxfp4.platform.cpu_platform.CpuOmniPlatform`` (see that module for why the
-class lives here).
+This is the module :data:`~vllm_omni_mxfp4.platform.activation.PLATFORM_CLASS` names. Import the
+class as ``vllm_omni_mxfp4.platform.CpuOmniPlatform``, which imports ``vllm_omni`` first (see the
+package docstring for why that order matters).
 
 It combines vLLM-Omni's ``OmniPlatform`` (the diffusion hooks) with vLLM's ``CpuPlatform`` (dtype
 support, CPU linear kernels, ``gloo``), and fills in what the diffusion engine asks of a device:
 a device and a device count, no-op device calls, memory figures from the host, peak-memory
-statistics from the process' resident set, and a CPU attention backend. Activation is decided in
-:func:`vllm_omni_mxfp4.platform.activate`.
+statistics from the process' resident set, and a CPU attention backend. Whether it is used is
+decided in :mod:`vllm_omni_mxfp4.platform.activation`; the device variables are read through
+:mod:`vllm_omni_mxfp4.envs`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from vllm.platforms.cpu import CpuPlatform
 from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum
 
-from vllm_omni_mxfp4.platform import DEVICES_ENV, VISIBLE_DEVICES_ENV
+from vllm_omni_mxfp4 import envs
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
     device_type: str = "cpu"
     dispatch_key: str = "CPU"
     dist_backend: str = "gloo"
-    device_control_env_var: str = VISIBLE_DEVICES_ENV
+    device_control_env_var: str = envs.CPU_VISIBLE_DEVICES.name
 
     # -- devices ---------------------------------------------------------------------------------
 
@@ -78,21 +80,13 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
 
     @classmethod
     def get_device_count(cls) -> int:
-        """Virtual devices: the visible-device list if vLLM-Omni set one, else ``$VLLM_OMNI_MXFP4_CPU_DEVICES``,
-        else the number of CPU cores this process may use."""
-        visible = os.environ.get(VISIBLE_DEVICES_ENV, "").strip()
+        """Virtual devices: the visible-device list if vLLM-Omni set one, else
+        ``VLLM_OMNI_MXFP4_CPU_DEVICES``, else the number of CPU cores this process may use."""
+        visible = envs.cpu_visible_devices()
         if visible:
             return len([d for d in visible.split(",") if d.strip()])
-        configured = os.environ.get(DEVICES_ENV, "").strip()
-        if configured:
-            try:
-                count = int(configured)
-            except ValueError:
-                count = 0
-            if count < 1:
-                raise ValueError(f"{DEVICES_ENV}={configured!r} is not valid: expected a positive integer")
-            return count
-        return _usable_cpu_count()
+        configured = envs.cpu_devices()
+        return configured if configured is not None else _usable_cpu_count()
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:

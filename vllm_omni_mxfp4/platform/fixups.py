@@ -17,9 +17,7 @@ constructed by name inside ``WorkerProc.worker_main``, so the narrowest override
 method. :func:`cpu_async_output_loop` keeps the loop's protocol (one ``OUTPUT_READY`` reply per
 queued item, ``error`` set when packing fails, the pending counter decremented and waiters woken)
 and packs synchronously, which on CPU is the same copy without a stream. It is installed only in
-processes where the CPU platform is selected. ``tests/platform/test_fixups.py`` runs the upstream
-loop on the installed vLLM-Omni and fails once the upstream loop works on CPU by itself, which is
-the signal to delete this module.
+processes where the CPU platform is active (:func:`vllm_omni_mxfp4.platform.install_fixups`).
 """
 
 from __future__ import annotations
