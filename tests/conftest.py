@@ -11,17 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import socket
 
 import pytest
 import torch
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.ports import free_port
 
 
 class VllmEnv:

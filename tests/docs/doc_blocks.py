@@ -45,7 +45,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -53,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.platform.omni_procs import reap_group
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC_FILES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
@@ -283,12 +283,6 @@ def sessions(paths: tuple[Path, ...] = DOC_FILES) -> list[Session]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def environment() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
@@ -369,7 +363,7 @@ def run_session(session: Session, workdir: Path) -> None:
     """Run every step of ``session`` in ``workdir``; AssertionError with the output on failure."""
     prepare_workdir(workdir)
     env = environment()
-    ports = {s.marker.options["port"]: str(_free_port()) for s in session.steps if s.marker.kind == "server"}
+    ports = {s.marker.options["port"]: str(free_port()) for s in session.steps if s.marker.kind == "server"}
     servers: list[subprocess.Popen] = []
     try:
         for step in session.steps:

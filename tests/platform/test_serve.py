@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from omni_procs import log_tail, omni_installed, reap_group, subprocess_env
+
+from tests.support.ports import free_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -34,12 +35,6 @@ pytestmark = [
 STARTUP_DEADLINE_S = 300.0
 JOB_DEADLINE_S = 120.0
 HTTP_TIMEOUT_S = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_until_healthy(base: str, server: subprocess.Popen, log: Path) -> None:
@@ -68,7 +63,7 @@ def _decode_mp4(data: bytes) -> np.ndarray:
 def test_serve_text_to_video_round_trip(tiny_wan_2e: Path, tmp_path: Path) -> None:
     import requests
 
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
     command = [
