@@ -1,4 +1,4 @@
-"""An independent, deliberately slow reference for MX quantization, written from research/kernels.md.
+"""An independent, deliberately slow reference for MX quantization, written from docs/kernels.md.
 
 Scalar Python/NumPy, float64 values and explicit float32 arithmetic where the kernels use it. It
 shares no code with ``vllm_omni_mxfp4.formats``: a bug there cannot hide here.
@@ -11,6 +11,8 @@ import math
 import numpy as np
 
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+#: The value of each E2M1 code 0..15: sign in bit 3, so code 8 is -0.0. The one copy for all tests.
+CODE_VALUES = (*GRID, *(-g for g in GRID))
 EMAX = {"fp4": 2, "fp8": 8}
 MAXV = {"fp4": 6.0, "fp8": 448.0}
 
@@ -143,7 +145,7 @@ def bf16_round(v: float) -> float:
 
 
 def dualscale_row(values: list[float], smooth: list[float] | None = None):
-    """Reference of torch_npu dual-level quantization (kernels.md §3.1) for one bf16 row."""
+    """Reference of torch_npu dual-level quantization (docs/kernels.md) for one bf16 row."""
     k = len(values)
     xs = [bf16_round(v * s) for v, s in zip(values, smooth)] if smooth is not None else list(values)
     codes, scales, l0s = [], [], []

@@ -1,4 +1,4 @@
-"""Dual-level MXFP4 against a float64/float32 reference of the NPU kernel (kernels.md §3.1)."""
+"""Dual-level MXFP4 against a float64/float32 reference of the NPU kernel (docs/kernels.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,20 @@
 """Numerics of MX formats: E2M1 / E4M3 elements, E8M0 scales, the vendor scale rules, dual-level.
 
-Pure torch, any device. This package is the ground truth the backends are tested against.
+Pure torch, any device. This package is the ground truth the kernels are tested against. Its
+constants (``MX_BLOCK_SIZE``, ``DUAL_BLOCK_SIZE``, ``NAN_CODE``, ``UOS_DST_TYPE_MAX``, ``E2M1_VALUES``,
+``E2M1_MAX``) are the values of :mod:`vllm_omni_mxfp4.spec` under the names the kernels use.
+
+- :mod:`.e2m1`: E2M1 encoding, decoding and nibble packing;
+- :mod:`.scale_rules`: E8M0 codes from block maxima, one function per vendor rule;
+- :mod:`.mx`: MX block quantization (FP4 / FP8), dequantization and quantize-dequantize;
+- :mod:`.dualscale`: the dual-level format (coarse float32 scale per 512 over MXFP4);
+- :mod:`.layout`: the NPU scale layout;
+- :mod:`.rows`: row chunking and block padding shared by the quantizers.
 """
 
 from .dualscale import DUAL_BLOCK_SIZE, dequantize_dualscale, level0_scales, quantize_dualscale
 from .e2m1 import E2M1_MAX, E2M1_VALUES, e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
-from .layout import from_npu_scale_layout, pad_last_dim, to_npu_scale_layout
+from .layout import from_npu_scale_layout, to_npu_scale_layout
 from .mx import MX_BLOCK_SIZE, block_amax, dequantize_mx, fake_quantize_mx, quantize_mx
 from .scale_rules import (
     NAN_CODE,
@@ -33,7 +42,6 @@ __all__ = [
     "from_npu_scale_layout",
     "level0_scales",
     "pack_fp4",
-    "pad_last_dim",
     "quantize_dualscale",
     "quantize_mx",
     "shared_exponent_codes",

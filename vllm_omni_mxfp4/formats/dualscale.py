@@ -1,7 +1,7 @@
 """Dual-level ("DualScale") MXFP4: a float32 scale per 512 elements over FLOOR MXFP4 per 32.
 
-This mirrors torch_npu ``npu_dynamic_dual_level_mx_quant`` (research/kernels.md §3.1), step by
-step, in the input dtype (bf16 or fp16; fp32 inputs are processed in fp32):
+This mirrors torch_npu ``npu_dynamic_dual_level_mx_quant`` (docs/kernels.md), step by step, in the
+input dtype (bf16 or fp16; fp32 inputs are processed in fp32):
 
 1. Smooth: ``xs = x * smooth`` in the input dtype (one rounding), when ``smooth`` is given;
 2. per 512-chunk (zero-padded past K): ``amax`` of |xs| ignoring Inf/NaN,
@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from .mx import _check_input, _chunk_rows, dequantize_mx, quantize_mx
+from vllm_omni_mxfp4 import spec
 
-DUAL_BLOCK_SIZE = 512
-_INV_SIX = 1.0 / 6.0
+from .mx import MX_BLOCK_SIZE, dequantize_mx, quantize_mx
+from .rows import check_float_input, from_blocks, row_chunks, row_count, to_blocks
+
+DUAL_BLOCK_SIZE = spec.DUAL_BLOCK
+_INV_MAX = 1.0 / spec.E2M1_MAX
 _FP32_MIN_NORMAL = 2.0**-126
 
 
@@ -32,15 +35,11 @@ def _check_smooth(smooth: torch.Tensor, k: int, name: str) -> None:
 
 def level0_scales(xs: torch.Tensor) -> torch.Tensor:
     """float32 coarse scales (..., ceil(K/512)) of (already smoothed) ``xs``: amax/6 per 512."""
-    k = xs.shape[-1]
-    chunks = -(-k // DUAL_BLOCK_SIZE)
-    pad = chunks * DUAL_BLOCK_SIZE - k
+    chunks = spec.ceil_div(xs.shape[-1], DUAL_BLOCK_SIZE)
     mag = xs.abs().float()
     mag = torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag))
-    if pad:
-        mag = torch.nn.functional.pad(mag, (0, pad))
-    amax = mag.reshape(*xs.shape[:-1], chunks, DUAL_BLOCK_SIZE).amax(dim=-1)
-    l0 = amax * torch.tensor(_INV_SIX, dtype=torch.float32, device=xs.device)
+    amax = to_blocks(mag, chunks, DUAL_BLOCK_SIZE).amax(dim=-1)
+    l0 = amax * torch.tensor(_INV_MAX, dtype=torch.float32, device=xs.device)
     return torch.where(l0 < _FP32_MIN_NORMAL, torch.zeros_like(l0), l0)
 
 
@@ -53,45 +52,33 @@ def quantize_dualscale(
     ``dual_scale`` float32 (..., ceil(K/512)). ``smooth`` (K,) multiplies ``x`` first (Smooth /
     ``mul_scale``), cast to ``x``'s dtype as the NPU kernel requires.
     """
-    _check_input(x, "quantize_dualscale")
+    check_float_input(x, "quantize_dualscale")
     k = x.shape[-1]
     if k % 2:
         raise ValueError(f"quantize_dualscale: K must be even, got shape {tuple(x.shape)}")
     if smooth is not None:
         _check_smooth(smooth, k, "quantize_dualscale")
         smooth = smooth.to(device=x.device, dtype=x.dtype)
-    lead = x.shape[:-1]
-    rows = x.numel() // k if k else 0
+    rows = row_count(x)
     flat = x.reshape(rows, k)
-    chunks = -(-k // DUAL_BLOCK_SIZE)
+    chunks = spec.ceil_div(k, DUAL_BLOCK_SIZE)
     data = torch.empty((rows, k // 2), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((rows, -(-k // 32)), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((rows, spec.ceil_div(k, MX_BLOCK_SIZE)), dtype=torch.uint8, device=x.device)
     dual = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
-    step = _chunk_rows(rows, chunks * DUAL_BLOCK_SIZE, x.device)
-    for start in range(0, rows, step):
-        xs = flat[start : start + step]
-        if smooth is not None:
-            xs = xs * smooth
+    for rows_at in row_chunks(rows, chunks * DUAL_BLOCK_SIZE, x.device):
+        xs = flat[rows_at] if smooth is None else flat[rows_at] * smooth
         l0 = level0_scales(xs)
-        t = _normalise(xs, l0)
-        data[start : start + step], scale[start : start + step] = quantize_mx(
-            t, elem="fp4", scale_rule="floor"
-        )
-        dual[start : start + step] = l0
+        data[rows_at], scale[rows_at] = quantize_mx(_normalise(xs, l0), elem="fp4", scale_rule="floor")
+        dual[rows_at] = l0
+    lead = x.shape[:-1]
     return data.reshape(*lead, k // 2), scale.reshape(*lead, scale.shape[-1]), dual.reshape(*lead, chunks)
 
 
 def _normalise(xs: torch.Tensor, l0: torch.Tensor) -> torch.Tensor:
     """t = xs / L0 per 512-chunk, in float32, rounded once to xs's dtype; zeros keep their sign."""
-    k = xs.shape[-1]
-    chunks = l0.shape[-1]
-    pad = chunks * DUAL_BLOCK_SIZE - k
-    xs_f = xs.float()
-    if pad:
-        xs_f = torch.nn.functional.pad(xs_f, (0, pad))
-    grouped = xs_f.reshape(*xs.shape[:-1], chunks, DUAL_BLOCK_SIZE)
+    grouped = to_blocks(xs.float(), l0.shape[-1], DUAL_BLOCK_SIZE)
     t = torch.where(grouped == 0, grouped, grouped / l0.unsqueeze(-1))
-    return t.reshape(*xs.shape[:-1], chunks * DUAL_BLOCK_SIZE)[..., :k].to(xs.dtype)
+    return from_blocks(t, xs.shape[-1]).to(xs.dtype)
 
 
 def dequantize_dualscale(
@@ -107,7 +94,7 @@ def dequantize_dualscale(
     ``dual_scale`` is float32 (..., ceil(K/512)) or the checkpoint layout (..., ceil(K/512), 1).
     """
     k = data.shape[-1] * 2
-    chunks = -(-k // DUAL_BLOCK_SIZE)
+    chunks = spec.ceil_div(k, DUAL_BLOCK_SIZE)
     if dual_scale.dim() == data.dim() + 1 and dual_scale.shape[-1] == 1:
         dual_scale = dual_scale.squeeze(-1)
     if tuple(dual_scale.shape) != (*data.shape[:-1], chunks):
@@ -116,11 +103,8 @@ def dequantize_dualscale(
             f"{tuple(data.shape)}; expected {(*data.shape[:-1], chunks)} (or with a trailing 1)"
         )
     values = dequantize_mx(data, scale, elem="fp4", dtype=torch.float32)
-    pad = chunks * DUAL_BLOCK_SIZE - k
-    if pad:
-        values = torch.nn.functional.pad(values, (0, pad))
-    grouped = values.reshape(*data.shape[:-1], chunks, DUAL_BLOCK_SIZE) * dual_scale.float().unsqueeze(-1)
-    out = grouped.reshape(*data.shape[:-1], chunks * DUAL_BLOCK_SIZE)[..., :k]
+    grouped = to_blocks(values, chunks, DUAL_BLOCK_SIZE) * dual_scale.float().unsqueeze(-1)
+    out = from_blocks(grouped, k)
     if smooth is not None:
         _check_smooth(smooth, k, "dequantize_dualscale")
         out = out / smooth.float()

@@ -18,22 +18,19 @@ import functools
 
 import torch
 
-E2M1_MAX = 6.0
+from vllm_omni_mxfp4 import spec
+
+E2M1_MAX = spec.E2M1_MAX
 
 #: The eight E2M1 magnitudes, indexed by the low three bits of a code.
-E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES: tuple[float, ...] = spec.E2M1_VALUES
 
-# Decision thresholds between neighbouring magnitudes. A tie rounds to the even code: 0.25 -> 0,
-# 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0, 3.5 -> 4.0, 5 -> 4.0. ``True`` means the
-# threshold itself rounds up.
-_THRESHOLDS: tuple[tuple[float, bool], ...] = (
-    (0.25, False),
-    (0.75, True),
-    (1.25, False),
-    (1.75, True),
-    (2.5, False),
-    (3.5, True),
-    (5.0, False),
+# Decision thresholds between neighbouring magnitudes: their midpoints. A tie rounds to the even
+# code: 0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0, 3.5 -> 4.0, 5 -> 4.0. ``True``
+# means the threshold itself rounds up (the upper neighbour has the even code).
+_THRESHOLDS: tuple[tuple[float, bool], ...] = tuple(
+    ((low + high) / 2, upper % 2 == 0)
+    for upper, (low, high) in enumerate(zip(E2M1_VALUES, E2M1_VALUES[1:]), start=1)
 )
 
 

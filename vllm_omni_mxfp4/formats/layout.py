@@ -1,13 +1,15 @@
-"""Scale layouts the vendor kernels expect, and K padding.
+"""The E8M0 scale layout the NPU kernels expect.
 
-torch_npu stores E8M0 scales of a row as pairs: ``(..., ceil(G/2), 2)`` uint8, zero-padded to an
-even group count G (research/kernels.md §2.2). Code 0 in the padding is harmless: it pairs with
-elements past K, which the kernels treat as zero.
+torch_npu stores the E8M0 scales of a row as pairs: ``(..., ceil(G/2), 2)`` uint8, zero-padded to an
+even group count G (docs/kernels.md). Code 0 in the padding is harmless: it pairs with elements past
+K, which the kernels treat as zero.
 """
 
 from __future__ import annotations
 
 import torch
+
+from vllm_omni_mxfp4 import spec
 
 
 def to_npu_scale_layout(scale: torch.Tensor) -> torch.Tensor:
@@ -22,16 +24,9 @@ def to_npu_scale_layout(scale: torch.Tensor) -> torch.Tensor:
 
 def from_npu_scale_layout(scale: torch.Tensor, groups: int) -> torch.Tensor:
     """(..., ceil(G/2), 2) -> (..., G): the inverse of :func:`to_npu_scale_layout`."""
-    if scale.shape[-1] != 2 or scale.shape[-2] != -(-groups // 2):
+    pairs = spec.ceil_div(groups, 2)
+    if scale.shape[-1] != 2 or scale.shape[-2] != pairs:
         raise ValueError(
-            f"from_npu_scale_layout: expected (..., {-(-groups // 2)}, 2) for {groups} groups, "
-            f"got {tuple(scale.shape)}"
+            f"from_npu_scale_layout: expected (..., {pairs}, 2) for {groups} groups, got {tuple(scale.shape)}"
         )
     return scale.reshape(*scale.shape[:-2], scale.shape[-2] * 2)[..., :groups]
-
-
-def pad_last_dim(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Zero-pad the last dim of ``x`` up to a multiple of ``multiple`` (no copy when aligned)."""
-    k = x.shape[-1]
-    pad = -k % multiple
-    return torch.nn.functional.pad(x, (0, pad)) if pad else x

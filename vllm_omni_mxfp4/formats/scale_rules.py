@@ -1,9 +1,9 @@
 """E8M0 scales and the shared-exponent rules of each vendor kernel.
 
 An E8M0 code ``c`` (uint8) stands for 2^(c - 127); 0xFF is NaN. Every stack picks ``c`` for a
-block from the block's absolute maximum ``a`` differently (research/kernels.md §1.2). Each rule
-below is a small pure function ``amax (float32) -> codes (int32)`` written from the formulas of
-the kernels, using float32 bit fields so that it is exact:
+block from the block's absolute maximum ``a`` differently (docs/kernels.md lists which kernel uses
+which rule). Each rule below is a small pure function ``amax (float32) -> codes (int32)`` written
+from the formulas of the kernels, using float32 bit fields so that it is exact:
 
 =================  ==============================================  =========================
 rule               formula (normal ``a``; E = floor(log2 a))         who
@@ -14,9 +14,9 @@ rule               formula (normal ``a``; E = floor(log2 a))         who
                    (normal S only; subnormal S keeps its field 0)   dst_type_max=7.25 (FP4 only)
 ``even``           c = biased exponent of bits(a) + 0x200000 - emax  AITER Triton, Quark, torchao EVEN
                    (FP8 E4M3: + 0x80000); clamped at 0
-``rceil``          S = fp32(a * fp32(1/max_elem)); c = ceil-exponent  NVIDIA, torchao RCEIL,
-                   (subnormal S rounds up iff mantissa > 0.5)       AITER HIP since 2026-06
-``aiter_legacy``   a = max(a, 1e-10); c = E + [mant >= 0.5] - emax   AITER HIP up to 2026-05
+``rceil``          S = fp32(a * fp32(1/max_elem)); c = ceil-exponent  NVIDIA, torchao RCEIL, AITER HIP
+                   (subnormal S rounds up iff mantissa > 0.5)
+``aiter_legacy``   a = max(a, 1e-10); c = E + [mant >= 0.5] - emax   older AITER HIP builds
 =================  ==============================================  =========================
 
 Non-finite ``a`` (a block holding Inf or NaN) gives 0xFF under every rule. An all-zero block gives
@@ -31,8 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-NAN_CODE = 0xFF
-UOS_DST_TYPE_MAX = 7.25
+from vllm_omni_mxfp4 import spec
+
+NAN_CODE = spec.E8M0_NAN
+UOS_DST_TYPE_MAX = spec.UOS_DST_TYPE_MAX
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,8 @@ class ElemFormat:
     even_round_add: int  # float32 mantissa increment of the EVEN rule
 
 
-FP4_E2M1 = ElemFormat("fp4", 6.0, 2, 0x200000)
-FP8_E4M3 = ElemFormat("fp8", 448.0, 8, 0x80000)
+FP4_E2M1 = ElemFormat("fp4", spec.E2M1_MAX, 2, 0x200000)
+FP8_E4M3 = ElemFormat("fp8", spec.E4M3_MAX, 8, 0x80000)
 ELEM_FORMATS: dict[str, ElemFormat] = {"fp4": FP4_E2M1, "fp8": FP8_E4M3}
 
 SCALE_RULES: tuple[str, ...] = ("floor", "uos", "even", "rceil", "aiter_legacy")
@@ -113,7 +115,7 @@ def codes_rceil(amax: torch.Tensor, fmt: ElemFormat = FP4_E2M1) -> torch.Tensor:
 
 
 def codes_aiter_legacy(amax: torch.Tensor, fmt: ElemFormat = FP4_E2M1) -> torch.Tensor:
-    """AITER HIP per_1x32 before 2026-06: round a to the nearest power of two (ties up), x 1/4."""
+    """Older AITER HIP per_1x32: round a to the nearest power of two (ties up), x 1/4."""
     floor = torch.tensor(1e-10, dtype=torch.float32, device=amax.device)
     a = torch.maximum(amax, floor)
     e, m = _fields(a)
@@ -162,8 +164,8 @@ def e8m0_to_float(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> to
 def recip_scale(codes: torch.Tensor, scale_rule: str) -> torch.Tensor:
     """float32 multiplier 2^(127 - code) that maps a block onto the element grid.
 
-    Code 0 under ``floor`` gives 0: the NPU kernels zero such blocks (research/kernels.md §2.3);
-    every other rule divides by 2^-127 as usual. 0xFF gives NaN.
+    Code 0 under ``floor`` gives 0: the NPU kernels zero such blocks (docs/kernels.md); every other
+    rule divides by 2^-127 as usual. 0xFF gives NaN.
     """
     c = codes.to(torch.int32)
     exp_field = 254 - c  # biased exponent of 2^(127 - c)
