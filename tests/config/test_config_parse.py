@@ -17,10 +17,12 @@ from vllm_omni_mxfp4.config import (
 )
 
 
-def test_supported_methods():
-    assert SUPPORTED_METHODS == ("mxfp4", "mxfp4_dualscale")
+def test_supported_methods_parse_to_their_config_class():
     assert CONFIG_CLASSES["mxfp4"] is Mxfp4Config
     assert CONFIG_CLASSES["mxfp4_dualscale"] is Mxfp4DualScaleConfig
+    for method in SUPPORTED_METHODS:
+        config = parse_quantization(method)
+        assert type(config) is CONFIG_CLASSES[method] and method == config.METHOD
 
 
 @pytest.mark.parametrize("spec", [None, "none", "None", " NONE "])

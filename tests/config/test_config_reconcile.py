@@ -196,7 +196,7 @@ def test_serialized_checkpoint_replacing_runtime_ignored_layers_is_logged(caplog
 @pytest.mark.parametrize("cls", [Mxfp4Config, Mxfp4DualScaleConfig])
 def test_serialized_checkpoint_ignored_layers_or_alias_omitted_means_none(cls, checkpoint_layers, expected):
     runtime = cls(ignored_layers=["blocks.3.ffn.net_2"])
-    checkpoint = {"quant_method": cls.METHOD, runtime._SERIALIZED_KEY: True, **checkpoint_layers}
+    checkpoint = {"quant_method": cls.METHOD, runtime.serialized_key(): True, **checkpoint_layers}
     config = reconcile_with_checkpoint(runtime, checkpoint)
     assert config.ignored_layers == expected
     assert config.is_serialized is True
@@ -308,6 +308,29 @@ def test_online_checkpoint_config_with_other_ignored_layers_wins(caplog):
     assert config.w4a8_fallback_steps == RUNTIME.w4a8_fallback_steps
     assert config.mxfp4_scale_alg == RUNTIME.mxfp4_scale_alg and config.backend == "auto"
     assert "['proj_out']" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "runtime,checkpoint",
+    [
+        (Mxfp4Config(ignored_layers=["proj_out"]), {"quant_method": "mxfp4", "backend": "emulated"}),
+        (
+            Mxfp4Config(ignored_layers=["proj_out"], backend="npu"),
+            {"quant_method": "mxfp4", "mxfp4_scale_alg": 2},
+        ),
+        (
+            Mxfp4DualScaleConfig(ignored_layers=["proj_out"]),
+            {
+                "quant_method": "mxfp4_dualscale",
+                "is_checkpoint_serialized": False,
+                "num_bf16_fallback_layers": 2,
+            },
+        ),
+    ],
+)
+def test_online_checkpoint_config_without_ignored_layers_keeps_the_runtime_config(runtime, checkpoint):
+    """It states no BF16 layers, so vLLM-Omni does not rebuild (checked against vLLM-Omni 0.30)."""
+    assert reconcile_with_checkpoint(runtime, checkpoint) is runtime
 
 
 def test_online_checkpoint_config_with_the_same_ignored_layers_keeps_the_runtime_config():
