@@ -7,11 +7,14 @@
 * The package's import graph is one-way: each rule in :data:`IMPORT_RULES` names the modules a
   subpackage must not import (lazy imports inside functions count; ``if TYPE_CHECKING:`` blocks do
   not).
+* Nothing points at ``research/...`` notes that are not in the repository; the facts live in
+  ``docs/`` (``docs/kernels.md`` for numerics and vendor kernels).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,3 +261,32 @@ def test_import_graph(rule: ImportRule) -> None:
         pytest.skip(f"{rule.package} does not exist")
     problems = rule_violations(rule)
     assert not problems, f"{rule.package}: {rule.why}:\n" + "\n".join(problems)
+
+
+# --- references to files the repository does not have ---------------------------------------------
+
+REFERENCE_DIRS = ("vllm_omni_mxfp4", "tests", "docs", "examples", "tools", "bench", "scripts")
+
+
+def missing_research_references(root: Path = ROOT) -> list[str]:
+    """``file:line`` for each mention of a ``research/...`` file that is not in the repository."""
+    found = []
+    paths = [root / "README.md"] + [
+        p for d in REFERENCE_DIRS for p in sorted((root / d).rglob("*")) if p.suffix in (".py", ".md", ".sh")
+    ]
+    for path in paths:
+        if not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for match in re.finditer(r"\bresearch/[\w./-]*\w", line):
+                if not (root / match.group(0)).exists():
+                    found.append(f"{path.relative_to(root)}:{number} {match.group(0)}")
+    return found
+
+
+def test_no_reference_to_research_notes_outside_the_repository() -> None:
+    found = missing_research_references()
+    assert not found, (
+        "point these at docs/kernels.md (or another page under docs/) instead of notes the repository "
+        "does not contain:\n" + "\n".join(found)
+    )
