@@ -1,4 +1,4 @@
-"""The repository's shape, checked on the source with ``ast`` (nothing is imported).
+"""The repository's shape, checked on the source files (``ast`` and text; nothing is imported).
 
 * Tests take shared helpers from ``tests/support/`` or their own folder, never from another
   folder's ``test_*.py`` module.
