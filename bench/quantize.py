@@ -55,6 +55,46 @@ def torchao_to_mx() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor
     return run
 
 
+def measure(x: torch.Tensor, repeats: int, device: torch.device) -> list[tuple[str, float, float]]:
+    """(op, seconds, bytes per second) for the copies and the ops of :mod:`vllm_omni_mxfp4.formats` on ``x``."""
+    nbytes = x.numel() * x.element_size()
+    t_copy = timed(lambda: x.clone(), repeats, device)
+    dst = torch.empty_like(x)
+    t_copy_pre = timed(lambda: dst.copy_(x), repeats, device)
+    rows = [
+        ("copy: clone()", t_copy, 2 * nbytes / t_copy),
+        ("copy: copy_() prealloc", t_copy_pre, 2 * nbytes / t_copy_pre),
+    ]
+    for rule in ("floor", "uos"):
+        t = timed(lambda rule=rule: quantize_mx(x, scale_rule=rule), repeats, device)
+        rows.append((f"quantize fp4/{rule}", t, nbytes / t))
+    data, scale = quantize_mx(x)
+    t = timed(lambda: dequantize_mx(data, scale, dtype=torch.bfloat16), repeats, device)
+    rows.append(("dequantize fp4", t, nbytes / t))
+    t = timed(lambda: dequantize_mx(data, scale, dtype=torch.bfloat16, out=dst), repeats, device)
+    rows.append(("dequantize fp4 (out=)", t, nbytes / t))
+    t = timed(lambda: quantize_dualscale(x), repeats, device)
+    rows.append(("quantize dual-scale", t, nbytes / t))
+    dual = quantize_dualscale(x)
+    t = timed(lambda: dequantize_dualscale(*dual, dtype=torch.bfloat16), repeats, device)
+    rows.append(("dequantize dual-scale", t, nbytes / t))
+    return rows
+
+
+def compare_torchao(ao, x: torch.Tensor, ours_seconds: float, repeats: int, device: torch.device) -> str:
+    """torchao's FLOOR quantizer on ``x``: its speed relative to ours and the fraction of equal bytes."""
+    n = x.shape[0]
+    t_ao = timed(lambda: ao(x), max(2, repeats // 2), device)
+    data, scale = quantize_mx(x)
+    ao_data, ao_scale = ao(x)
+    agree_data = (ao_data == data).float().mean().item()
+    agree_scale = (ao_scale == scale).float().mean().item()
+    return (
+        f"{n:>5}x{n:<4} torchao to_mx FLOOR {t_ao * 1e3:9.2f} ms -> ours {t_ao / ours_seconds:.1f}x faster; "
+        f"bytes agree: data {agree_data:.4%}, scales {agree_scale:.4%}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -72,45 +112,12 @@ def main() -> None:
     for n in args.sizes:
         g = torch.Generator(device=device).manual_seed(n)
         x = torch.randn(n, n, generator=g, device=device).to(torch.bfloat16)
-        nbytes = x.numel() * x.element_size()
-        t_copy = timed(lambda x=x: x.clone(), args.repeats, device)
-        dst = torch.empty_like(x)
-        t_copy_pre = timed(lambda x=x, dst=dst: dst.copy_(x), args.repeats, device)
-        rows = [
-            ("copy: clone()", t_copy, 2 * nbytes / t_copy),
-            ("copy: copy_() prealloc", t_copy_pre, 2 * nbytes / t_copy_pre),
-        ]
-        for rule in ("floor", "uos"):
-            t = timed(lambda x=x, rule=rule: quantize_mx(x, scale_rule=rule), args.repeats, device)
-            rows.append((f"quantize fp4/{rule}", t, nbytes / t))
-        data, scale = quantize_mx(x)
-        t = timed(lambda d=data, s=scale: dequantize_mx(d, s, dtype=torch.bfloat16), args.repeats, device)
-        rows.append(("dequantize fp4", t, nbytes / t))
-        t = timed(
-            lambda d=data, s=scale, o=dst: dequantize_mx(d, s, dtype=torch.bfloat16, out=o),
-            args.repeats,
-            device,
-        )
-        rows.append(("dequantize fp4 (out=)", t, nbytes / t))
-        t = timed(lambda x=x: quantize_dualscale(x), args.repeats, device)
-        rows.append(("quantize dual-scale", t, nbytes / t))
-        dd, ds, dl0 = quantize_dualscale(x)
-        t = timed(
-            lambda q=(dd, ds, dl0): dequantize_dualscale(*q, dtype=torch.bfloat16), args.repeats, device
-        )
-        rows.append(("dequantize dual-scale", t, nbytes / t))
+        rows = measure(x, args.repeats, device)
+        t_copy = rows[0][1]
         for name, t, rate in rows:
             print(f"{n:>5}x{n:<4} {name:<24} {t * 1e3:9.2f} {rate / 1e9:8.2f} {t / t_copy:8.1f}")
         if ao is not None:
-            t_ao = timed(lambda x=x: ao(x), max(2, args.repeats // 2), device)
-            ours_t = rows[2][1]
-            ao_data, ao_scale = ao(x)
-            agree_data = (ao_data == data).float().mean().item()
-            agree_scale = (ao_scale == scale).float().mean().item()
-            print(
-                f"{n:>5}x{n:<4} torchao to_mx FLOOR {t_ao * 1e3:9.2f} ms -> ours {t_ao / ours_t:.1f}x faster; "
-                f"bytes agree: data {agree_data:.4%}, scales {agree_scale:.4%}"
-            )
+            print(compare_torchao(ao, x, rows[2][1], args.repeats, device))
     if ao is None and device.type == "cpu":
         print("torchao not installed: no peer comparison (pip install torchao to add it)")
     print(

@@ -199,7 +199,9 @@ def test_e8m0_nan_scale(expert_copy, tmp_path):
         t[3, 5] = 0xFF
         return t
 
-    message = rf"weight_scale '{QPROJ}\.weight_scale' holds the E8M0 NaN code 0xFF at \[3, 5\]"
+    message = (
+        rf"weight_scale '{QPROJ}\.weight_scale' holds 0xFF at \[3, 5\]; expected E8M0 codes other than 0xFF"
+    )
     _assert_refused(expert_copy, tmp_path, message, _replace(f"{QPROJ}.weight_scale", nan_code))
 
 
@@ -227,6 +229,16 @@ def test_dual_scale_must_be_finite_and_non_negative(expert_copy, tmp_path, bad):
 
     message = rf"weight_dual_scale '{OPROJ}\.weight_dual_scale' holds .* at \[9, 0, 0\]; expected finite values >= 0"
     _assert_refused(expert_copy, tmp_path, message, _replace(f"{OPROJ}.weight_dual_scale", poison))
+
+
+def test_bias_of_a_quantized_layer_must_be_finite(expert_copy, tmp_path):
+    def poison(t):
+        t = t.clone()
+        t[3] = math.inf
+        return t
+
+    message = rf"bias '{OPROJ}\.bias' holds inf at \[3\]; expected finite values"
+    _assert_refused(expert_copy, tmp_path, message, _replace(f"{OPROJ}.bias", poison))
 
 
 def test_partial_bf16_fallback_in_fused_qkv(expert_copy, tmp_path, dual_export):

@@ -16,14 +16,12 @@ from safetensors.torch import load_file
 from vllm_omni_mxfp4.checkpoint import CheckpointError, merge
 from vllm_omni_mxfp4.cli import main
 
+from ..formats.reference import CODE_VALUES
 from .conftest import EXPERTS
 from .producer import ExpertSpec, original_name, quantize_expert
 
 REPO = Path(__file__).resolve().parents[2]
-E2M1 = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-    dtype=torch.float64,
-)
+E2M1 = torch.tensor(CODE_VALUES, dtype=torch.float64)
 
 # Written by hand from the fixture specs (conftest.DUAL_SPECS / SINGLE_SPECS).
 NON_BLOCK = [

@@ -19,12 +19,12 @@ from vllm_omni_mxfp4.checkpoint.safetensors_io import (
     UnpackFp4ToBf16,
     WidenToF32,
     open_archive,
-    plan_shards,
     read_header,
+    split_into_shards,
     write_checkpoint,
 )
 
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+from ..formats.reference import CODE_VALUES
 
 
 @pytest.fixture
@@ -64,7 +64,9 @@ def test_written_file_loads_with_safetensors_and_keeps_bytes(source, tmp_path):
     refs, _ = read_header(path)
     out = tmp_path / "out"
     out.mkdir()
-    files = write_checkpoint(out, "model", plan_shards(_outputs(refs), None, natural_key), lambda n: None)
+    files = write_checkpoint(
+        out, "model", split_into_shards(_outputs(refs), None, natural_key), lambda n: None
+    )
     assert files == ["model.safetensors"]
     loaded = load_file(str(out / "model.safetensors"))
     for name, t in tensors.items():
@@ -82,7 +84,7 @@ def test_sharded_output_has_a_consistent_index(source, tmp_path):
     refs, _ = read_header(path)
     out = tmp_path / "out"
     out.mkdir()
-    shards = plan_shards(_outputs(refs), 60, natural_key)
+    shards = split_into_shards(_outputs(refs), 60, natural_key)
     files = write_checkpoint(out, "model", shards, lambda n: None)
     assert len(shards) > 2
     assert files[-1] == "model.safetensors.index.json"
@@ -109,7 +111,7 @@ def test_numeric_unpack_of_every_byte(tmp_path):
     for byte in range(256):
         row, col = divmod(byte, 16)
         low, high = values[row, 2 * col].item(), values[row, 2 * col + 1].item()
-        assert (low, high) == (E2M1[byte & 0xF], E2M1[byte >> 4])
+        assert (low, high) == (CODE_VALUES[byte & 0xF], CODE_VALUES[byte >> 4])
         assert np.signbit(low) == bool(byte & 0x8) and np.signbit(high) == bool(byte & 0x80)
 
 

@@ -22,7 +22,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointError
+from vllm_omni_mxfp4 import spec
+
+from .errors import CheckpointError, read_json_object
 from .safetensors_io import TensorRef, open_archive
 
 logger = logging.getLogger(__name__)
@@ -95,8 +97,10 @@ def _check_metadata(description: Path, metadata: dict[str, object], label: str) 
             f"{description}: model_quant_type {mqt!r} disagrees with the tensor labels ({label})"
         )
     group_size = metadata.get("group_size")
-    if group_size is not None and group_size != 32:
-        raise CheckpointError(f"{description}: group_size is {group_size!r}; MXFP4 exports use 32")
+    if group_size is not None and group_size != spec.MX_BLOCK:
+        raise CheckpointError(
+            f"{description}: group_size is {group_size!r}; MXFP4 exports use {spec.MX_BLOCK}"
+        )
     for key in ("metadata", "optional"):
         value = metadata.get(key)
         if value not in (None, {}):
@@ -109,34 +113,38 @@ def _check_metadata(description: Path, metadata: dict[str, object], label: str) 
         raise CheckpointError(f"{description}: 'version' must be a string, got {version!r}")
 
 
-def read_export(directory: Path) -> QuantExport:
-    """Read and check one export directory: description, weight files, labels, format."""
-    if not directory.is_dir():
-        raise CheckpointError(f"quantized export directory {directory} does not exist")
-    description = _find_description(directory)
-    try:
-        entries = json.loads(description.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{description}: cannot read the description file ({exc})") from None
-    if not isinstance(entries, dict):
-        raise CheckpointError(f"{description}: expected a JSON object mapping tensor names to labels")
-    labels: dict[str, str] = {}
-    metadata: dict[str, object] = {}
-    fa_markers: list[str] = []
+@dataclass
+class _Description:
+    """The entries of a description file, sorted by kind."""
+
+    labels: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, object] = field(default_factory=dict)
+    fa_markers: list[str] = field(default_factory=list)
+
+
+def _read_description(description: Path) -> _Description:
+    entries = read_json_object(
+        description,
+        if_missing="pass the directory msModelSlim saved",
+        expected="a JSON object mapping tensor names to labels",
+    )
+    found = _Description()
     for key, value in entries.items():
         if key in _METADATA_KEYS:
-            metadata[key] = value
+            found.metadata[key] = value
         elif key.endswith(_FA_MARKER_SUFFIX):
-            fa_markers.append(key)
+            found.fa_markers.append(key)
         elif isinstance(value, str):
-            labels[key] = value
+            found.labels[key] = value
         else:
             raise CheckpointError(
                 f"{description}: entry {key!r} is {json.dumps(value)[:100]}; expected a description label string"
             )
+    return found
 
-    files, index = _find_weights(directory)
-    tensors = open_archive(files, index)
+
+def _check_labelled_tensors(description: Path, labels: dict[str, str], tensors: dict[str, TensorRef]) -> None:
+    """Every described tensor is stored, every stored tensor is described, every label is supported."""
     for name in labels:
         if name not in tensors:
             raise CheckpointError(f"{description}: describes tensor {name!r}, which no weight file holds")
@@ -149,6 +157,10 @@ def read_export(directory: Path) -> QuantExport:
                 f"{description}: tensor {name!r} has unsupported description label {label!r}; "
                 f"supported labels: {', '.join(SUPPORTED_LABELS)}"
             )
+
+
+def _quantization_label(description: Path, labels: dict[str, str]) -> str:
+    """The one MXFP4 label of the export."""
     used = sorted({label for label in labels.values() if label != FLOAT_LABEL})
     if not used:
         raise CheckpointError(
@@ -158,13 +170,27 @@ def read_export(directory: Path) -> QuantExport:
         raise CheckpointError(
             f"{description}: mixes {' and '.join(used)}; a transformer must use one MXFP4 format"
         )
-    label = used[0]
-    _check_metadata(description, metadata, label)
-    if fa_markers or "fa_quant_type" in metadata:
+    return used[0]
+
+
+def read_export(directory: Path) -> QuantExport:
+    """Read and check one export directory: description, weight files, labels, format."""
+    if not directory.is_dir():
+        raise CheckpointError(f"quantized export directory {directory} does not exist")
+    description = _find_description(directory)
+    found = _read_description(description)
+    files, index = _find_weights(directory)
+    tensors = open_archive(files, index)
+    _check_labelled_tensors(description, found.labels, tensors)
+    label = _quantization_label(description, found.labels)
+    _check_metadata(description, found.metadata, label)
+    if found.fa_markers or "fa_quant_type" in found.metadata:
         logger.warning(
             "%s: %d attention (FA3) quantization marker(s) ignored; vLLM-Omni runs attention in BF16",
             description,
-            len(fa_markers),
+            len(found.fa_markers),
         )
-    saver = "ascendv1" if "version" in metadata else "mindie_format"
-    return QuantExport(directory, description, saver, label, QUANT_LABELS[label], labels, tensors, fa_markers)
+    saver = "ascendv1" if "version" in found.metadata else "mindie_format"
+    return QuantExport(
+        directory, description, saver, label, QUANT_LABELS[label], found.labels, tensors, found.fa_markers
+    )

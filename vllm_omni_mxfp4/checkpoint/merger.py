@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import staging
-from .errors import CheckpointError
+from .errors import CheckpointError, read_json_object
 from .plan import (
     DESCRIPTION_NAME,
     NON_BLOCK_POLICIES,
@@ -40,11 +40,34 @@ from .safetensors_io import write_checkpoint
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
-#: model type -> ((diffusers transformer folder, msModelSlim expert folder), ...); "" is the export root.
-MODEL_TYPES: dict[str, tuple[tuple[str, str], ...]] = {
-    "Wan2.2-T2V-A14B": (("transformer", "high_noise_model"), ("transformer_2", "low_noise_model")),
-    "Wan2.2-I2V-A14B": (("transformer", "high_noise_model"), ("transformer_2", "low_noise_model")),
-    "Wan2.2-TI2V-5B": (("transformer", ""),),
+
+
+@dataclass(frozen=True)
+class TransformerSource:
+    """One transformer of a model type: its diffusers folder and where msModelSlim saved it.
+
+    ``export_subdir`` is the expert's folder inside the msModelSlim output, or ``None`` when the
+    model has one transformer and msModelSlim saved it at the root of the output.
+    """
+
+    folder: str
+    export_subdir: str | None
+
+    def export_dir(self, quant: Path) -> Path:
+        return quant if self.export_subdir is None else quant / self.export_subdir
+
+
+#: model type -> its transformers (two experts for the A14B models, one for TI2V-5B).
+MODEL_TYPES: dict[str, tuple[TransformerSource, ...]] = {
+    "Wan2.2-T2V-A14B": (
+        TransformerSource("transformer", "high_noise_model"),
+        TransformerSource("transformer_2", "low_noise_model"),
+    ),
+    "Wan2.2-I2V-A14B": (
+        TransformerSource("transformer", "high_noise_model"),
+        TransformerSource("transformer_2", "low_noise_model"),
+    ),
+    "Wan2.2-TI2V-5B": (TransformerSource("transformer", None),),
 }
 _TWO_EXPERT_PIPELINES = {"WanPipeline": "Wan2.2-T2V-A14B", "WanImageToVideoPipeline": "Wan2.2-I2V-A14B"}
 _SKIPPED_DIRS = frozenset({".git", ".cache"})
@@ -71,18 +94,9 @@ class MergeReport:
 
 
 def _read_model_index(original: Path) -> dict:
-    path = original / "model_index.json"
-    try:
-        index = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"{path}: missing; --original-model must be a diffusers pipeline directory"
-        ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc})") from None
-    if not isinstance(index, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return index
+    return read_json_object(
+        original / "model_index.json", if_missing="--original-model must be a diffusers pipeline directory"
+    )
 
 
 def _listed_transformers(index: dict) -> list[str]:
@@ -113,7 +127,7 @@ def resolve_model_type(model_type: str, original: Path) -> str:
         raise CheckpointError(
             f"unknown model type {model_type!r}; expected one of {', '.join([*MODEL_TYPES, AUTO])}"
         )
-    expected = [folder for folder, _ in MODEL_TYPES[model_type]]
+    expected = [source.folder for source in MODEL_TYPES[model_type]]
     if listed != expected:
         raise CheckpointError(
             f"{original / 'model_index.json'}: lists transformers {listed}, but {model_type} has {expected}"
@@ -177,6 +191,83 @@ def _write_transformer(plan: TransformerPlan, out_dir: Path, progress: Callable[
     plan.report.seconds = round(time.perf_counter() - start, 3)
 
 
+def _check_options(weight_layout: str, non_block_quantized: str, max_shard_size: int | None) -> None:
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise CheckpointError(f"weight layout {weight_layout!r}; expected one of {', '.join(WEIGHT_LAYOUTS)}")
+    if non_block_quantized not in NON_BLOCK_POLICIES:
+        raise CheckpointError(
+            f"non-block policy {non_block_quantized!r}; expected {', '.join(NON_BLOCK_POLICIES)}"
+        )
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise CheckpointError(f"max shard size must be positive, got {max_shard_size}")
+
+
+def _check_input_dirs(original: Path, quant: Path) -> None:
+    if not original.is_dir():
+        raise CheckpointError(f"original model directory {original} does not exist")
+    if not quant.is_dir():
+        raise CheckpointError(f"quantized export directory {quant} does not exist")
+
+
+def _write_output(
+    original: Path,
+    output: Path,
+    components: list[Path],
+    plans: list[TransformerPlan],
+    *,
+    progress: bool | None,
+    overwrite: bool,
+) -> list[str]:
+    """Build the output in a staging directory and rename it into place; returns removed stale dirs.
+
+    On any failure or interruption the staging directory is deleted and nothing is published.
+    """
+    total = sum((original / rel).stat().st_size for rel in components)
+    total += sum(plan.report.bytes_out for plan in plans)
+    bar = tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="merge",
+        disable=None if progress is None else not progress,
+    )
+    removed = [str(p) for p in staging.remove_stale(output)]
+    stage = staging.create(output)
+    try:
+        with bar:
+            for rel in components:
+                _copy_file(original / rel, stage / rel, bar.update)
+            for plan in plans:
+                bar.set_description(f"merge {plan.report.name}")
+                _write_transformer(plan, stage / plan.report.name, bar.update)
+        staging.publish(stage, output, overwrite)
+    except BaseException:
+        staging.discard(stage)
+        raise
+    return removed
+
+
+def _plan_transformers(
+    sources: tuple[TransformerSource, ...], original: Path, quant: Path, **options
+) -> list[TransformerPlan]:
+    """Validate and plan every transformer of the model (``options``: those of :func:`plan_transformer`)."""
+    return [plan_transformer(s.folder, original / s.folder, s.export_dir(quant), **options) for s in sources]
+
+
+def _log_written(plans: list[TransformerPlan]) -> None:
+    for plan in plans:
+        logger.info(
+            "%s: %d layers quantized, %d kept BF16, %d bytes in, %d bytes out, %.2f s",
+            plan.report.name,
+            plan.report.layers_quantized,
+            plan.report.layers_bf16,
+            plan.report.bytes_in,
+            plan.report.bytes_out,
+            plan.report.seconds,
+        )
+
+
 def merge(
     model_type: str,
     original_model: str | os.PathLike,
@@ -199,36 +290,21 @@ def merge(
     Raises :class:`CheckpointError` for invalid input; on any failure or interruption no output is left.
     """
     start = time.perf_counter()
-    if weight_layout not in WEIGHT_LAYOUTS:
-        raise CheckpointError(f"weight layout {weight_layout!r}; expected one of {', '.join(WEIGHT_LAYOUTS)}")
-    if non_block_quantized not in NON_BLOCK_POLICIES:
-        raise CheckpointError(
-            f"non-block policy {non_block_quantized!r}; expected {', '.join(NON_BLOCK_POLICIES)}"
-        )
-    if max_shard_size is not None and max_shard_size <= 0:
-        raise CheckpointError(f"max shard size must be positive, got {max_shard_size}")
+    _check_options(weight_layout, non_block_quantized, max_shard_size)
     original, quant, output = (Path(p).absolute() for p in (original_model, quant_path, output_path))
-    if not original.is_dir():
-        raise CheckpointError(f"original model directory {original} does not exist")
-    if not quant.is_dir():
-        raise CheckpointError(f"quantized export directory {quant} does not exist")
+    _check_input_dirs(original, quant)
     resolved_type = resolve_model_type(model_type, original)
     _check_output(output, [original, quant], overwrite)
-
-    experts = MODEL_TYPES[resolved_type]
-    plans = [
-        plan_transformer(
-            folder,
-            original / folder,
-            quant / expert if expert else quant,
-            weight_layout=weight_layout,
-            max_shard_size=max_shard_size,
-            non_block_quantized=non_block_quantized,
-        )
-        for folder, expert in experts
-    ]
-    components = _component_files(original, {folder for folder, _ in experts})
-    component_bytes = sum((original / rel).stat().st_size for rel in components)
+    sources = MODEL_TYPES[resolved_type]
+    plans = _plan_transformers(
+        sources,
+        original,
+        quant,
+        weight_layout=weight_layout,
+        max_shard_size=max_shard_size,
+        non_block_quantized=non_block_quantized,
+    )
+    components = _component_files(original, {source.folder for source in sources})
     report = MergeReport(
         model_type=resolved_type,
         original_model=str(original),
@@ -238,44 +314,13 @@ def merge(
         dry_run=dry_run,
         transformers=[plan.report for plan in plans],
         copied_files=len(components),
-        copied_bytes=component_bytes,
+        copied_bytes=sum((original / rel).stat().st_size for rel in components),
         seconds=0.0,
     )
-    if dry_run:
-        report.seconds = round(time.perf_counter() - start, 3)
-        return report
-
-    total = component_bytes + sum(plan.report.bytes_out for plan in plans)
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc="merge",
-        disable=None if progress is None else not progress,
-    )
-    report.removed_stale = [str(p) for p in staging.remove_stale(output)]
-    stage = staging.create(output)
-    try:
-        with bar:
-            for rel in components:
-                _copy_file(original / rel, stage / rel, bar.update)
-            for plan in plans:
-                bar.set_description(f"merge {plan.report.name}")
-                _write_transformer(plan, stage / plan.report.name, bar.update)
-        staging.publish(stage, output, overwrite)
-    except BaseException:
-        staging.discard(stage)
-        raise
-    report.seconds = round(time.perf_counter() - start, 3)
-    for plan in plans:
-        logger.info(
-            "%s: %d layers quantized, %d kept BF16, %d bytes in, %d bytes out, %.2f s",
-            plan.report.name,
-            plan.report.layers_quantized,
-            plan.report.layers_bf16,
-            plan.report.bytes_in,
-            plan.report.bytes_out,
-            plan.report.seconds,
+    if not dry_run:
+        report.removed_stale = _write_output(
+            original, output, components, plans, progress=progress, overwrite=overwrite
         )
+        _log_written(plans)
+    report.seconds = round(time.perf_counter() - start, 3)
     return report

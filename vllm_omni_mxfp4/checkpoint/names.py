@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from vllm_omni_mxfp4 import spec
+
 from .errors import CheckpointError
 
 LINEAR = "linear"
@@ -26,8 +28,8 @@ NORM = "norm"
 CONV = "conv"
 PARAM = "param"
 
-#: Tensors a Linear may carry in a merged checkpoint.
-LINEAR_LEAVES = frozenset({"weight", "bias", "weight_scale", "weight_dual_scale", "mul_scale"})
+#: Tensors a Linear may carry in a merged checkpoint: those of any format's quantized Linear.
+LINEAR_LEAVES = frozenset(t.name for fmt in spec.FORMATS for t in spec.checkpoint_tensors(fmt))
 #: Tensors of the other modules.
 PLAIN_LEAVES = frozenset({"weight", "bias"})
 

@@ -24,6 +24,8 @@ from typing import BinaryIO, Protocol
 
 import numpy as np
 
+from vllm_omni_mxfp4 import spec
+
 from .errors import CheckpointError
 
 #: Bytes per element of each safetensors dtype.
@@ -54,12 +56,18 @@ Progress = Callable[[int], None]
 
 
 @dataclass(frozen=True)
-class TensorRef:
-    """Where one tensor's bytes are: file, absolute byte offset and size, plus dtype and shape."""
+class TensorInfo:
+    """A tensor's name, safetensors dtype and shape: what a safetensors header says about it."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorRef(TensorInfo):
+    """Where one tensor's bytes are: file, absolute byte offset and size, plus dtype and shape."""
+
     path: Path
     offset: int
     nbytes: int
@@ -100,8 +108,8 @@ def decode_array(raw: bytes, dtype: str, shape: Sequence[int]) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.dtype(_NUMPY_DTYPES[dtype]).newbyteorder("<")).reshape(shape)
 
 
-def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
-    """The tensors and ``__metadata__`` of one safetensors file, checked against the file size."""
+def _read_header_json(path: Path) -> tuple[dict, int, int]:
+    """The parsed JSON header of a safetensors file, where its data starts, and the file size."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as fh:
@@ -118,30 +126,38 @@ def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
         raise CheckpointError(f"{path}: cannot read the safetensors header ({exc})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    return header, 8 + n, size
+
+
+def _header_entry(path: Path, name: str, info: object, start: int, size: int) -> TensorRef:
+    """One tensor's header entry, checked: known dtype, non-negative shape, offsets inside the file."""
+    try:
+        dtype = info["dtype"]
+        shape = tuple(int(d) for d in info["shape"])
+        begin, end = (int(v) for v in info["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}") from None
+    if dtype not in DTYPE_SIZES:
+        raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+    nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+    if any(d < 0 for d in shape) or end - begin != nbytes or begin < 0 or start + end > size:
+        raise CheckpointError(f"{path}: tensor {name!r} has inconsistent shape {list(shape)} / offsets")
+    return TensorRef(name, dtype, shape, path, start + begin, nbytes)
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
+    """The tensors and ``__metadata__`` of one safetensors file, checked against the file size.
+
+    The tensors' data must tile the data section: no overlap and no gap.
+    """
+    header, start, size = _read_header_json(path)
     metadata = header.pop("__metadata__", None) or {}
-    start = 8 + n
-    tensors: dict[str, TensorRef] = {}
-    spans = []
-    for name, info in header.items():
-        try:
-            dtype = info["dtype"]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(v) for v in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}") from None
-        if dtype not in DTYPE_SIZES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
-        if any(d < 0 for d in shape) or end - begin != nbytes or begin < 0 or start + end > size:
-            raise CheckpointError(f"{path}: tensor {name!r} has inconsistent shape {list(shape)} / offsets")
-        tensors[name] = TensorRef(name, dtype, shape, path, start + begin, nbytes)
-        spans.append((begin, end))
-    spans.sort()
-    position = 0
-    for begin, end in spans:
-        if begin != position:
+    tensors = {name: _header_entry(path, name, info, start, size) for name, info in header.items()}
+    position = start
+    for ref in sorted(tensors.values(), key=lambda r: (r.offset, r.offset + r.nbytes)):
+        if ref.offset != position:
             raise CheckpointError(f"{path}: tensor data offsets overlap or leave gaps")
-        position = end
+        position = ref.offset + ref.nbytes
     return tensors, metadata
 
 
@@ -276,7 +292,7 @@ class OnesF32:
 
 def _fp4_pair_table() -> np.ndarray:
     """(256, 2) uint16: the BF16 bit patterns of the two E2M1 values of a byte, low nibble first."""
-    magnitudes = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+    magnitudes = spec.E2M1_VALUES
     values = np.array(magnitudes + tuple(-m for m in magnitudes), dtype=np.float32)  # code 8 is -0.0
     bf16 = (values.view(np.uint32) >> 16).astype(np.uint16)
     byte = np.arange(256)
@@ -311,12 +327,9 @@ class UnpackFp4ToBf16:
 
 
 @dataclass(frozen=True)
-class OutputTensor:
+class OutputTensor(TensorInfo):
     """One tensor of the output checkpoint: its name, dtype, shape and where its bytes come from."""
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
     source: TensorSource
 
     @property
@@ -330,7 +343,7 @@ def _write_order(tensors: Iterable[OutputTensor], key: Callable[[str], object]) 
     return sorted(tensors, key=lambda t: (-DTYPE_SIZES[t.dtype], key(t.name)))
 
 
-def plan_shards(
+def split_into_shards(
     tensors: Iterable[OutputTensor], max_shard_size: int | None, key: Callable[[str], object]
 ) -> list[list[OutputTensor]]:
     """Split the tensors into shards of at most ``max_shard_size`` bytes (a larger tensor gets its own)."""
