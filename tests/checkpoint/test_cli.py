@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -80,3 +82,15 @@ def test_merge_subcommand_arguments():
         ]
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv + bad)
+
+
+def test_the_merge_imports_no_torch():
+    """The merge streams bytes and validates with numpy: importing it must not pull in torch."""
+    code = (
+        "import sys, vllm_omni_mxfp4.checkpoint, vllm_omni_mxfp4.cli\n"
+        "print(sorted(m for m in ('torch', 'vllm', 'vllm_omni') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]"
