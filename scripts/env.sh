@@ -2,9 +2,10 @@
 # Create (or reuse) the project's test environment in .venv and print its path.
 #
 # The environment is keyed on the pinned requirement files, the start-up hook and this script: when
-# any of them changes, it is rebuilt from scratch. The project itself is installed editable; it is
-# reinstalled (seconds) when pyproject.toml changes, so that new entry points are seen. Nothing
-# outside .venv is touched. Set VENV=/path to build it elsewhere.
+# any of them changes, it is rebuilt from scratch. The project and its demo (examples/demo, a
+# distribution of its own) are installed editable; they are reinstalled (seconds) when either
+# pyproject.toml changes, so that new entry points and packages are seen. Nothing outside .venv is
+# touched. Set VENV=/path to build it elsewhere.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${VENV:-$root/.venv}"
@@ -12,10 +13,11 @@ py="${PYTHON:-python3}"
 
 key=$(cat "$root"/requirements/*.txt "$root/scripts/torchvision_cpu_hook.py" "$root/scripts/env.sh" \
       | sha256sum | cut -c1-16)
-project_key=$(sha256sum "$root/pyproject.toml" | cut -c1-16)
+project_key=$(cat "$root/pyproject.toml" "$root/examples/demo/pyproject.toml" | sha256sum | cut -c1-16)
 
 install_project() {
-  "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps --no-build-isolation -e "$root" >&2
+  "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps --no-build-isolation \
+    -e "$root" -e "$root/examples/demo" >&2
   echo "$project_key" > "$venv/.project-key"
 }
 

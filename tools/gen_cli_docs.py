@@ -53,7 +53,7 @@ def _example_parser() -> argparse.ArgumentParser:
 
 
 def _demo_parser() -> argparse.ArgumentParser:
-    return importlib.import_module("vllm_omni_mxfp4.demo.run").build_parser()
+    return importlib.import_module("vllm_omni_mxfp4_demo.modes").build_parser()
 
 
 PROGRAMS: tuple[Program, ...] = (
@@ -69,9 +69,10 @@ PROGRAMS: tuple[Program, ...] = (
         "Run from a source checkout.",
     ),
     Program(
-        "python -m vllm_omni_mxfp4.demo",
+        "python -m vllm_omni_mxfp4_demo",
         _demo_parser,
-        "`scripts/demo.sh` builds the environment on first use and passes its arguments to this program.",
+        "The demo's own package (`pip install -e examples/demo`). `scripts/demo.sh` builds the environment "
+        "on first use and passes its arguments to this program.",
     ),
 )
 

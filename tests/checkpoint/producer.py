@@ -2,7 +2,7 @@
 
 The BF16 original is a diffusers pipeline directory (``WanTransformer3DModel`` per expert plus small
 stand-in components). msModelSlim quantizes it through
-:mod:`vllm_omni_mxfp4.demo.msmodelslim_export` (msModelSlim's own Smooth, quantizer and savers on
+:mod:`vllm_omni_mxfp4_demo.tiny.msmodelslim_export` (msModelSlim's own Smooth, quantizer and savers on
 the original Wan module tree); this module only fixes the tiny config, builds the pipeline and binds
 the exporter to that config. The exporter's diffusers -> original renames are regular expressions
 written independently of ``vllm_omni_mxfp4.checkpoint.names``, so a wrong table there cannot be
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from vllm_omni_mxfp4.demo import msmodelslim_export as exporter
-from vllm_omni_mxfp4.demo.msmodelslim_export import (
+from vllm_omni_mxfp4_demo.tiny import msmodelslim_export as exporter
+from vllm_omni_mxfp4_demo.tiny import tiny_transformer_config
+from vllm_omni_mxfp4_demo.tiny.msmodelslim_export import (
     NON_BLOCK_EXCLUDES,
     ExpertSpec,
     LayerReference,
@@ -37,20 +38,9 @@ __all__ = [
     "quantize_expert",
 ]
 
-TINY = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=4,
-    attention_head_dim=128,
-    in_channels=16,
-    out_channels=16,
-    text_dim=64,
-    freq_dim=256,
-    ffn_dim=1024,
-    num_layers=3,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    rope_max_seq_len=32,
-)
+# The project's tiny Wan transformer with three blocks (the specs of conftest.py use blocks.2) and
+# wider embedders.
+TINY = tiny_transformer_config(num_layers=3, text_dim=64, freq_dim=256)
 DIM = TINY["num_attention_heads"] * TINY["attention_head_dim"]
 
 

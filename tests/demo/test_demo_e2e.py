@@ -43,7 +43,7 @@ def _file_bytes(folder: Path, *, bias_bytes: int | None = None, shared_qkv_smoot
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "out"
-    argv = ["-m", "vllm_omni_mxfp4.demo", "--modes", "offline", "--steps", "1", "--out", str(out)]
+    argv = ["-m", "vllm_omni_mxfp4_demo", "--modes", "offline", "--steps", "1", "--out", str(out)]
     argv += ["--height", str(SIZE), "--width", str(SIZE), "--num-frames", str(FRAMES)]
     log = out.parent / "demo.log"
     run_bounded(argv, timeout=600, env=subprocess_env(), log=log)
@@ -108,6 +108,6 @@ def test_files(demo_run):
     for mode in ("bf16", "offline"):
         video = iio.imread(out / f"{mode}.mp4", index=None)
         assert video.shape[0] == FRAMES and video.shape[3] == 3
-        frames = np.load(out / "runs" / mode / "frames.npy")
-        assert frames.shape == (FRAMES, SIZE, SIZE, 3) and np.isfinite(frames).all()
+        frames = np.load(out / "runs" / mode / "frames_0.npy")  # what Omni returned
+        assert frames.shape == (1, FRAMES, SIZE, SIZE, 3) and np.isfinite(frames).all()
     assert "| offline |" in (out / "results.md").read_text()

@@ -1,8 +1,9 @@
-"""The demo's parts without an engine: metrics, media, modes, table, engine reports."""
+"""The demo's parts without an engine: metrics, media, modes, the report, the engine job's input."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import numpy as np
@@ -11,8 +12,9 @@ import torch
 from PIL import Image
 
 from vllm_omni_mxfp4.config import parse_quantization
-from vllm_omni_mxfp4.demo import engine_report, media, run
-from vllm_omni_mxfp4.demo.metrics import cosine, psnr
+from vllm_omni_mxfp4_demo import main, media, modes, report
+from vllm_omni_mxfp4_demo.engine_job import Job, model_boundary_ratio
+from vllm_omni_mxfp4_demo.metrics import cosine, psnr
 
 # ------------------------------------------------------------------------------------------------ metrics
 
@@ -110,26 +112,26 @@ def test_frame_strip_layout(tmp_path):
 
 
 def test_parse_modes_adds_the_reference_and_keeps_order():
-    assert [m.name for m in run.parse_modes("offline")] == ["bf16", "offline"]
-    assert [m.name for m in run.parse_modes("dualscale, mxfp4")] == ["bf16", "mxfp4", "dualscale"]
+    assert [m.name for m in modes.parse_modes("offline")] == ["bf16", "offline"]
+    assert [m.name for m in modes.parse_modes("dualscale, mxfp4")] == ["bf16", "mxfp4", "dualscale"]
     with pytest.raises(argparse.ArgumentTypeError, match="unknown mode.*nope.*choose from bf16"):
-        run.parse_modes("mxfp4,nope")
+        modes.parse_modes("mxfp4,nope")
 
 
 def test_unknown_mode_exits_2(capsys):
     with pytest.raises(SystemExit) as info:
-        run.build_parser().parse_args(["--modes", "fp8"])
+        modes.build_parser().parse_args(["--modes", "fp8"])
     assert info.value.code == 2 and "unknown mode(s) fp8" in capsys.readouterr().err
 
 
 def test_every_mode_is_a_valid_config():
-    by_name = {m.name: m for m in run.MODES}
+    by_name = {m.name: m for m in modes.MODES}
     assert by_name["mxfp4-w4a8"].omni_kwargs(1) == {
         "quantization_config": {"method": "mxfp4", "w4a8_fallback_steps": [0]}
     }
     assert by_name["mxfp4-w4a8"].omni_kwargs(20)["quantization_config"]["w4a8_fallback_steps"] == [0, 19]
     assert by_name["bf16"].omni_kwargs(20) == {} and by_name["offline"].omni_kwargs(20) == {}
-    for mode in run.MODES:
+    for mode in modes.MODES:
         kwargs = mode.omni_kwargs(8)
         spec = kwargs.get("quantization", kwargs.get("quantization_config"))
         if spec is not None:
@@ -138,101 +140,87 @@ def test_every_mode_is_a_valid_config():
 
 def test_table_rows():
     results = [
-        {"mode": "bf16", "psnr": math.inf, "cosine": 1.0, "weight_bytes": 100 * run.MIB, "backend_bytes": 0}
+        {
+            "mode": "bf16",
+            "psnr": math.inf,
+            "cosine": 1.0,
+            "weight_bytes": 100 * report.MIB,
+            "backend_bytes": 0,
+        }
         | {"load_s": 10.0, "gen_s": 1.234},
-        {"mode": "mxfp4", "psnr": 31.456, "cosine": 0.99123456, "weight_bytes": 46 * run.MIB}
-        | {"backend_bytes": 2 * run.MIB, "load_s": 12.25, "gen_s": 2.0},
+        {"mode": "mxfp4", "psnr": 31.456, "cosine": 0.99123456, "weight_bytes": 46 * report.MIB}
+        | {"backend_bytes": 2 * report.MIB, "load_s": 12.25, "gen_s": 2.0},
         {"mode": "offline", "error": "boom"},
     ]
-    rows = run.table_rows(results)
+    rows = report.table_rows(results)
     assert rows[1] == ["bf16", "inf", "1.00000", "100.00", "1.000x", "0.00", "10.0", "1.23"]
     assert rows[2] == ["mxfp4", "31.46", "0.99123", "46.00", "0.460x", "2.00", "12.2", "2.00"]
     assert rows[3][:2] == ["offline", "failed"]
-    text = run.format_table(rows)
+    text = report.format_table(rows)
     assert text.splitlines()[1].startswith("----")
     assert (
-        run.markdown_table(rows).splitlines()[2]
+        report.markdown_table(rows).splitlines()[2]
         == "| bf16 | inf | 1.00000 | 100.00 | 1.000x | 0.00 | 10.0 | 1.23 |"
     )
 
 
-# ------------------------------------------------------------------------------------------------ engine report
+def _transformer(name: str, method: str, weight_bytes: int) -> dict:
+    linear = {"layer": "blocks.0.ffn.net_2", "method": method}
+    if method != "bf16":
+        linear |= {"backend": "emulated", "mode": "online", "act_scale_rule": "floor", "precision": "w4a4"}
+        linear["w4a8_steps"] = []
+    info = {"name": name, "weight_bytes": weight_bytes, "kernel_bytes": 0, "backend_bytes": 0}
+    return info | {"linears": [linear], "ranks": 1}
 
 
-class _Expert(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(64, 32).to(torch.bfloat16)
-        self.tied = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16)
-        self.tied.weight = self.proj.weight  # one storage, counted once
-        self.proj.register_buffer("_mx_weight_dequant", torch.zeros(32, 64), persistent=False)
-        self.register_buffer("freqs", torch.zeros(1000), persistent=False)  # model buffer, not a weight
-        self.moved = torch.nn.Module()
-        self.moved.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-        packed = torch.zeros(16, 8, dtype=torch.float32)  # what a CPU GEMM kernel kept
-        self.moved.cpu_linear = lambda x, weight, bias: packed
-
-
-def test_transformer_memory_counts_live_tensors():
-    memory = engine_report.transformer_memory(_Expert())
-    assert memory["kernel_bytes"] == 16 * 8 * 4
-    assert memory["weight_bytes"] == (32 * 64 + 32) * 2 + 16 * 8 * 4
-    assert memory["backend_bytes"] == 32 * 64 * 4
-
-
-def _rank(rank: int, weight: int) -> dict:
-    linears = [
-        {"layer": "blocks.0.attn1.to_qkv", "method": "bf16"},
-        {"layer": "blocks.1.attn1.to_qkv", "method": "mxfp4", "backend": "emulated", "mode": "online"}
-        | {"act_scale_rule": "uos", "precision": "w4a4", "w4a8_steps": [0, 3]},
-        {"layer": "blocks.1.ffn.net_2", "method": "mxfp4", "backend": "emulated", "mode": "online"}
-        | {"act_scale_rule": "uos", "precision": "w4a4", "w4a8_steps": [0, 3]},
+def test_report_writes_the_numbers_and_prints_the_summary(tmp_path, capsys):
+    frames = {"bf16": _gradient(3, 8, 8), "mxfp4": _gradient(3, 8, 8) * 0.9}
+    results = [
+        {"mode": "bf16", "description": "the reference", "platform": "CpuOmniPlatform (device cpu)"}
+        | {"load_s": 1.0, "gen_s": 0.5, "weight_bytes": 2 * report.MIB, "backend_bytes": 0}
+        | {"transformers": [_transformer("transformer", "bf16", 2 * report.MIB)]},
+        {"mode": "mxfp4", "description": "quantized", "platform": "CpuOmniPlatform (device cpu)"}
+        | {"load_s": 2.0, "gen_s": 0.75, "weight_bytes": report.MIB, "backend_bytes": report.MIB}
+        | {"transformers": [_transformer("transformer", "mxfp4", report.MIB)]},
+        {"mode": "offline", "description": "merged", "error": "offline step failed: boom"},
     ]
-    info = {"weight_bytes": weight, "kernel_bytes": 1, "backend_bytes": 2, "linears": linears}
-    return {"rank": rank, "transformers": {"transformer": info}}
+    settings = {"prompt": "a cat", "negative_prompt": "", "seed": 42, "guidance_scale": 5.0}
+    summary = report.Summary(tmp_path, tmp_path / "model", None, settings, results)
+    report.score(results, frames)
+    report.write_media(summary, frames)
+    summary.other_seed = report.other_seed(frames["bf16"], 1.0 - frames["bf16"], 43)
+    report.publish(summary)
+
+    numbers = json.loads((tmp_path / "results.json").read_text())
+    assert [m["mode"] for m in numbers["modes"]] == ["bf16", "mxfp4", "offline"]
+    assert numbers["platform"] == "CpuOmniPlatform (device cpu)" and numbers["settings"] == settings
+    assert numbers["modes"][1]["psnr"] == pytest.approx(psnr(frames["mxfp4"], frames["bf16"]))
+    assert numbers["bf16_other_seed"]["seed"] == 43 and numbers["offline_checkpoint"] is None
+    assert summary.failed == ["offline"] and set(summary.videos) == {"bf16", "mxfp4"}
+    assert (tmp_path / "frames_strip.png").is_file()
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| mxfp4 | " in markdown and "| offline | failed |" in markdown and "- offline: merged" in markdown
+    printed = capsys.readouterr().out
+    assert "Platform: CpuOmniPlatform (device cpu)" in printed and "weights MiB" in printed
+    assert "    transformer: 1 Linears: 1 mxfp4 online W4A4 [backend emulated, A4 scale OCP]" in printed
+    assert "    FAILED: offline step failed: boom" in printed
+    assert "For scale, BF16 with seed 43 instead of 42" in printed
+    assert f"Output directory: {tmp_path}" in printed
 
 
-class _Engine:
-    def __init__(self, results):
-        self.results = results
-
-    def collective_rpc(self, method, timeout=None):
-        assert method == engine_report.RPC_METHOD
-        return self.results
-
-
-class _Omni:
-    def __init__(self, results):
-        self.engine = _Engine(results)
+def test_a_model_that_is_not_a_pipeline_exits_2(tmp_path, capsys):
+    assert main.main(["--model", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "not a diffusers pipeline directory (no model_index.json)" in capsys.readouterr().err
+    (tmp_path / "model_index.json").write_text("{}")
+    assert main.main(["--model", str(tmp_path), "--quant-path", str(tmp_path / "nope")]) == 2
+    assert "--quant-path" in capsys.readouterr().err
 
 
-def test_reports_sum_ranks_and_summarize():
-    (report,) = engine_report.transformer_reports(_Omni([[_rank(1, 30), _rank(0, 70)]]))
-    assert (report.name, report.weight_bytes, report.kernel_bytes, report.backend_bytes, report.ranks) == (
-        "transformer",
-        100,
-        2,
-        4,
-        2,
-    )
-    assert report.summary() == (
-        "3 Linears: 2 mxfp4 online W4A4 (W4A8 on steps [0, 3]) [backend emulated, A4 scale UOS]; 1 BF16"
-    )
-
-
-def test_reports_fail_clearly():
-    with pytest.raises(
-        RuntimeError, match="could not run mxfp4_transformer_report: no such method.*worker_extension_cls"
-    ):
-        engine_report.transformer_reports(_Omni([{"supported": False, "error": "no such method"}]))
-    with pytest.raises(RuntimeError, match="no engine.collective_rpc"):
-        engine_report.transformer_reports(object())
-    with pytest.raises(RuntimeError, match="no diffusion worker answered"):
-        engine_report.transformer_reports(_Omni([[]]))
-
-
-def test_gathered_ranks_are_counted_once():
-    """vLLM-Omni returns rank 0's reply, which carries every rank's report (gathered over the world group)."""
-    gathered = {"ranks": [_rank(0, 70), _rank(1, 30)]}
-    (report,) = engine_report.transformer_reports(_Omni([[gathered, gathered]]))
-    assert (report.weight_bytes, report.ranks) == (100, 2)
+def test_engine_job_input(tmp_path):
+    job = Job.from_dict({"model": "m", "out": "o", "seeds": [1, 2], "omni_kwargs": {"quantization": "mxfp4"}})
+    assert job.seeds == [1, 2] and job.steps == Job("m", "o").steps
+    with pytest.raises(ValueError, match=r"unknown keys \['seed'\], missing keys \['out'\]"):
+        Job.from_dict({"model": "m", "seed": 1})
+    assert model_boundary_ratio(tmp_path) is None
+    (tmp_path / "model_index.json").write_text(json.dumps({"boundary_ratio": 0.9}))
+    assert model_boundary_ratio(tmp_path) == 0.9

@@ -1,4 +1,4 @@
-"""The package's msModelSlim exporter: names, recipe, refusals (the export itself runs in test_demo_e2e and
+"""The demo's msModelSlim exporter: names, recipe, refusals (the export itself runs in test_demo_e2e and
 tests/checkpoint, which merge and load what it writes)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from vllm_omni_mxfp4.demo import msmodelslim_export as exporter
+from vllm_omni_mxfp4_demo.tiny import msmodelslim_export as exporter
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,7 @@ def test_missing_msmodelslim_is_a_clear_import_error(monkeypatch):
         "find_spec",
         lambda name, *a: None if name == "msmodelslim" else real(name, *a),
     )
-    with pytest.raises(ImportError, match=r"pip install 'vllm-omni-mxfp4\[msmodelslim\]'"):
+    with pytest.raises(ImportError, match=r"msModelSlim is not installed.*pip install 'msmodelslim>=26.1'"):
         exporter.export_pipeline("/nonexistent", "/nonexistent-out")
 
 

@@ -97,11 +97,11 @@ def test_test_sh_lints_every_python_directory_then_runs_pytest():
 
 def test_demo_sh_runs_the_demo_module():
     script = (ROOT / "scripts" / "demo.sh").read_text()
-    assert re.search(r'exec "\$venv/bin/python" -m vllm_omni_mxfp4\.demo "\$@"', script)
+    assert re.search(r'exec "\$venv/bin/python" -m vllm_omni_mxfp4_demo "\$@"', script)
     assert "env.sh" in script
 
 
-@pytest.mark.parametrize("module", ["vllm_omni_mxfp4.demo"])
+@pytest.mark.parametrize("module", ["vllm_omni_mxfp4_demo"])
 def test_demo_module_answers_help(module):
     result = subprocess.run(
         [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=300, cwd=ROOT

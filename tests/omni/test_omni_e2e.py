@@ -1,6 +1,6 @@
 """End to end: ``Omni(...)`` generates with our methods on the CPU platform (subprocess engines).
 
-Every engine runs under a deadline in its own process group (``tests/platform/omni_procs.py``),
+Every engine runs under a deadline in its own process group (the demo's engine job and runner),
 with ``VLLM_OMNI_MXFP4_TRACE_FILE`` recording each quantized Linear call in every engine process.
 """
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.platform.omni_procs import omni_installed, run_bounded, subprocess_env
+from tests.platform.omni_procs import Job, omni_installed, run_engine_job, subprocess_env
 from vllm_omni_mxfp4.formats import quantize_dualscale, quantize_mx
 
 pytestmark = [
@@ -25,27 +25,25 @@ pytestmark = [
     pytest.mark.skipif(not omni_installed(), reason="vllm / vllm-omni not installed"),
 ]
 
-RUNNER = str(Path(__file__).with_name("omni_quant_runner.py"))
 STEPS = 3
 LAYERS_PER_EXPERT = 16
 
 
 @pytest.fixture(scope="module")
 def tiny_dir():
-    from vllm_omni_mxfp4.demo.tiny_wan import build_tiny_wan
+    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
 
     return build_tiny_wan(2)
 
 
 def run_omni(tmp: Path, model: Path, **kwargs) -> tuple[np.ndarray, list[dict]]:
-    tmp.mkdir(parents=True, exist_ok=True)
     trace = tmp / "trace.jsonl"
-    job = {"model": str(model), "out": str(tmp), "kwargs": kwargs, "seed": 0, "steps": STEPS}
-    (tmp / "job.json").write_text(json.dumps(job))
-    env = subprocess_env({"VLLM_OMNI_MXFP4_TRACE_FILE": str(trace)})
-    run_bounded([RUNNER, str(tmp / "job.json")], timeout=400, env=env, log=tmp / "engine.log")
+    job = Job(
+        str(model), str(tmp), omni_kwargs=kwargs, steps=STEPS, negative_prompt="blurry", boundary_ratio=0.875
+    )
+    run_engine_job(job, timeout=400, env=subprocess_env({"VLLM_OMNI_MXFP4_TRACE_FILE": str(trace)}))
     calls = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
-    return np.load(tmp / "frames.npy"), calls
+    return np.load(tmp / "frames_0.npy"), calls
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

@@ -121,7 +121,7 @@ def _run(world: int, spec, model_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_dir():
-    from vllm_omni_mxfp4.demo.tiny_wan import build_tiny_wan
+    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
 
     return build_tiny_wan(2)
 

@@ -12,7 +12,7 @@ CPU_TEST_QUANT_ENTRY_POINT = "cpu_test_quant"
 @pytest.fixture(scope="session")
 def tiny_wan_2e() -> Path:
     """The two-expert tiny Wan2.2 pipeline from the default cache (built on first use)."""
-    from vllm_omni_mxfp4.demo.tiny_wan import build_tiny_wan
+    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
 
     return build_tiny_wan(2)
 

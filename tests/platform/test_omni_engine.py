@@ -1,19 +1,19 @@
 """``Omni(model=<tiny Wan2.2>)`` generating on the CPU platform: TP=1 BF16, quantized, and TP=2 over gloo.
 
-Each engine runs in its own subprocess (``omni_runner.py``) under a deadline, and its whole process
-group is reaped afterwards; a run that leaves processes behind fails. One engine serves several
-requests, so the BF16 run below is shared by the tests of this module.
+Each engine runs in its own subprocess (the demo's engine job, ``vllm_omni_mxfp4_demo.engine_job``)
+under a deadline, and its whole process group is reaped afterwards; a run that leaves processes
+behind fails. One engine serves several requests, so the BF16 run below is shared by the tests of
+this module.
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
-from omni_procs import TESTS_DIR, omni_installed, run_bounded, subprocess_env
+from omni_procs import Job, omni_installed, run_engine_job, subprocess_env
 
 pytestmark = [
     pytest.mark.slow,
@@ -23,7 +23,6 @@ pytestmark = [
 
 CPU_PLATFORM = "vllm_omni_mxfp4.platform._cpu_platform.CpuOmniPlatform"
 FRAMES_SHAPE = (1, 9, 16, 16, 3)  # (batch, frames, height, width, RGB) as Omni returns them
-RUNNER = str(TESTS_DIR / "omni_runner.py")
 
 # Quantizable Linears of one tiny Wan expert (2 blocks), in vLLM-Omni's fused naming.
 EXPECTED_QUANTIZED = {
@@ -45,12 +44,11 @@ EXPECTED_QUANTIZED = {
 def _run_omni(
     model: Path, out: Path, seeds: list[int], *, tp: int = 1, quantization: str | None = None, env=None
 ) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    args = [RUNNER, "--model", str(model), "--out", str(out), "--tp", str(tp), "--seeds", *map(str, seeds)]
+    kwargs = {"tensor_parallel_size": tp} if tp > 1 else {}
     if quantization:
-        args += ["--quantization", quantization]
-    run_bounded(args, timeout=240 + 120 * (tp - 1), env=env or subprocess_env(), log=out / "engine.log")
-    return json.loads((out / "meta.json").read_text())
+        kwargs["quantization"] = quantization
+    job = Job(model=str(model), out=str(out), omni_kwargs=kwargs, seeds=seeds, boundary_ratio=0.875)
+    return run_engine_job(job, timeout=240 + 120 * (tp - 1), env=env or subprocess_env())
 
 
 def _frames(out: Path, index: int) -> np.ndarray:

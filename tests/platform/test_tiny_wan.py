@@ -11,7 +11,8 @@ import torch
 from omni_procs import omni_installed
 from safetensors.torch import load_file
 
-from vllm_omni_mxfp4.demo import tiny_wan
+from vllm_omni_mxfp4 import envs
+from vllm_omni_mxfp4_demo.tiny import wan as tiny_wan
 
 BLOCK_LINEARS = (
     "attn1.to_q",
@@ -55,6 +56,14 @@ def test_single_expert_layout(built: dict[int, Path]) -> None:
     assert index.get("boundary_ratio") is None
     assert not (model_dir / "transformer_2").exists()
     assert model_dir != built[2]
+
+
+def test_config_overrides_make_variants_without_touching_the_default() -> None:
+    variant = tiny_wan.tiny_transformer_config(num_layers=3, image_dim=8)
+    assert variant["num_layers"] == 3 and variant["image_dim"] == 8
+    assert variant["ffn_dim"] == tiny_wan.TRANSFORMER_CONFIG["ffn_dim"]
+    assert tiny_wan.tiny_transformer_config() == tiny_wan.TRANSFORMER_CONFIG
+    assert "image_dim" not in tiny_wan.TRANSFORMER_CONFIG and tiny_wan.TRANSFORMER_CONFIG["num_layers"] == 2
 
 
 def test_transformer_config_on_disk(built: dict[int, Path]) -> None:
@@ -111,10 +120,13 @@ def test_cache_key_follows_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cache_root_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv(tiny_wan.CACHE_ENV, str(tmp_path / "elsewhere"))
-    assert tiny_wan.cache_root() == tmp_path / "elsewhere"
-    monkeypatch.delenv(tiny_wan.CACHE_ENV)
-    assert tiny_wan.cache_root() == Path.home() / ".cache" / "vllm-omni-mxfp4"
+    """Without ``cache_dir`` the build lands under ``$VLLM_OMNI_MXFP4_CACHE`` (read when called)."""
+    monkeypatch.setenv("VLLM_OMNI_MXFP4_CACHE", str(tmp_path / "elsewhere"))
+    built = tiny_wan.build_tiny_wan(1)
+    assert built.parent == tmp_path / "elsewhere" / "tiny_wan"
+    assert (built / "model_index.json").is_file()
+    monkeypatch.delenv("VLLM_OMNI_MXFP4_CACHE")
+    assert envs.cache_dir() == Path.home() / ".cache" / "vllm-omni-mxfp4"
 
 
 def test_interrupted_build_leaves_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

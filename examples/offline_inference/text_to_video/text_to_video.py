@@ -14,9 +14,12 @@
 It builds ``vllm_omni.Omni`` (the ``mxfp4`` / ``mxfp4_dualscale`` methods come from the installed
 vllm-omni-mxfp4 plugin; no import needed), generates, and writes an MP4 (or a GIF where no video
 encoder is installed). Before generating it prints the platform vLLM-Omni runs on (an accelerator,
-or vllm-omni-mxfp4's CPU platform when there is none) and, read from the loaded engine, what each
-transformer ended up with: every Linear's method, backend, online/offline mode and precision, and
-its weight bytes.
+or vllm-omni-mxfp4's CPU platform when there is none) and, read from the loaded engine
+(:mod:`vllm_omni_mxfp4.omni.report`), what each transformer ended up with: every Linear's method,
+backend, online/offline mode and precision, and its weight bytes.
+
+Video writing and the parallelism flags come from the demo's package: ``pip install -e examples/demo``
+(``scripts/env.sh`` installs it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni_mxfp4.config import parse_quantization
+from vllm_omni_mxfp4_demo.engine_job import model_boundary_ratio
+from vllm_omni_mxfp4_demo.modes import add_parallel_arguments, parallel_kwargs
 
 MIB = 1024 * 1024
 
@@ -114,55 +119,26 @@ def build_parser() -> argparse.ArgumentParser:
         default="wan22_output.mp4",
         help="Output video (default wan22_output.mp4). A .gif path, or a machine without an MP4 encoder, gets a GIF.",
     )
-    parser.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="Tensor-parallel ranks of the transformer (default 1).",
-    )
-    parser.add_argument(
-        "--ulysses-degree", type=int, default=1, help="Ulysses sequence-parallel degree (default 1)."
-    )
-    parser.add_argument(
-        "--cfg-parallel-size",
-        type=int,
-        default=1,
-        choices=[1, 2],
-        help="Ranks running the classifier-free-guidance branches in parallel (default 1).",
-    )
-    parser.add_argument("--enforce-eager", action="store_true", help="Disable torch.compile and run eagerly.")
+    add_parallel_arguments(parser)
     return parser
-
-
-def _boundary_ratio(args: argparse.Namespace) -> float | None:
-    if args.boundary_ratio is not None:
-        return args.boundary_ratio
-    index = Path(args.model) / "model_index.json"
-    if index.is_file():
-        value = json.loads(index.read_text()).get("boundary_ratio")
-        return float(value) if value is not None else None
-    return None
 
 
 def omni_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``Omni(...)`` keyword arguments the command line asks for."""
-    from vllm_omni_mxfp4.demo.engine_report import WORKER_EXTENSION
+    from vllm_omni_mxfp4.omni.report import WORKER_EXTENSION
 
     kwargs: dict[str, Any] = {
         "model": args.model,
         "dtype": "bfloat16",
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "ulysses_degree": args.ulysses_degree,
-        "cfg_parallel_size": args.cfg_parallel_size,
-        "enforce_eager": args.enforce_eager,
-        # Lets the example ask the workers what each transformer holds (see engine_report).
+        **parallel_kwargs(args),
+        # Lets the example ask the workers what each transformer holds (see vllm_omni_mxfp4.omni.report).
         "worker_extension_cls": WORKER_EXTENSION,
     }
     if args.quantization is not None:
         kwargs["quantization"] = args.quantization
     if args.quantization_config is not None:
         kwargs["quantization_config"] = args.quantization_config
-    boundary = _boundary_ratio(args)
+    boundary = args.boundary_ratio if args.boundary_ratio is not None else model_boundary_ratio(args.model)
     if boundary is not None:
         kwargs["boundary_ratio"] = boundary
     return kwargs
@@ -173,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_omni import Omni
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-    from vllm_omni_mxfp4.demo.engine_report import platform_description, transformer_reports
-    from vllm_omni_mxfp4.demo.media import video_frames, write_video
+    from vllm_omni_mxfp4.omni.report import platform_description, transformer_reports
+    from vllm_omni_mxfp4_demo.media import video_frames, write_video
 
     kwargs = omni_kwargs(args)
     if args.quantization is not None:

@@ -17,12 +17,12 @@ pieces — the lowest-level ones, which need no NPU and no model adapter:
 The result is what ``msmodelslim quant --model_type Wan2_2`` writes: ``high_noise_model/`` and
 ``low_noise_model/`` for a two-expert pipeline (the export root for one expert), each with
 ``quant_model_weight*.safetensors`` and ``quant_model_description*.json``; feed it to
-``vllm-omni-mxfp4 merge``. The diffusers -> original renames are regular expressions written
-independently of :mod:`vllm_omni_mxfp4.checkpoint.names`, so the merge's tables are checked against
-a second implementation.
+``vllm-omni-mxfp4 merge``. The diffusers -> original renames and the expert folders are written
+independently of :mod:`vllm_omni_mxfp4.checkpoint` (``names``, ``merger.MODEL_TYPES``), so the
+merge's tables are checked against a second implementation: keep them apart.
 
-msModelSlim is an optional dependency (``pip install 'vllm-omni-mxfp4[msmodelslim]'``), imported only
-when a quantization runs.
+msModelSlim is a dependency of the demo distribution (``vllm-omni-mxfp4-demo``), imported only when a
+quantization runs.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-#: diffusers transformer folder -> msModelSlim expert folder of a two-expert (A14B) export.
+#: diffusers transformer folder -> msModelSlim expert folder of a two-expert (A14B) export; an
+#: independent copy of what the merge expects (this module is the merge's test oracle).
 EXPERT_FOLDERS = {"transformer": "high_noise_model", "transformer_2": "low_noise_model"}
 
 #: msModelSlim ``exclude`` patterns that keep every Linear outside the blocks in FLOAT.
@@ -77,7 +78,7 @@ def require_msmodelslim() -> None:
     if importlib.util.find_spec("msmodelslim") is None:
         raise ImportError(
             "msModelSlim is not installed; the offline quantization step needs it: "
-            "pip install 'vllm-omni-mxfp4[msmodelslim]' (msmodelslim>=26.1, runs on CPU)."
+            "pip install 'msmodelslim>=26.1' (a dependency of vllm-omni-mxfp4-demo; runs on CPU)."
         )
 
 

@@ -1,5 +1,8 @@
 """What the running engine actually holds: per transformer, its weight bytes and each Linear's method.
 
+The text-to-video example prints this before it generates, and the demo tabulates it; anyone can
+ask a running engine the same way, to check that a checkpoint or config ended up as intended.
+
 vLLM-Omni builds the model inside its diffusion worker(s), which may be other processes. A vLLM
 *worker extension* is the engine's own way to run code there: pass
 ``worker_extension_cls=WORKER_EXTENSION`` to ``Omni(...)`` and :func:`transformer_reports` asks the
@@ -20,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-WORKER_EXTENSION = "vllm_omni_mxfp4.demo.engine_report.TransformerReportExtension"
+WORKER_EXTENSION = "vllm_omni_mxfp4.omni.report.TransformerReportExtension"
 """Qualified name to pass as ``Omni(worker_extension_cls=...)``."""
 
 RPC_METHOD = "mxfp4_transformer_report"

@@ -15,8 +15,8 @@ The transformer's block Linears have K and N in {512, 1024}: multiples of the MX
 the DualScale coarse block (512), so both ``mxfp4`` and ``mxfp4_dualscale`` apply to every one.
 Transformers are stored in BF16 like the released Wan2.2 checkpoints; text encoder and VAE in FP32.
 
-Cache: ``$VLLM_OMNI_MXFP4_CACHE/tiny_wan/`` (default ``~/.cache/vllm-omni-mxfp4/tiny_wan/``), one
-directory per content key (the builder's configs, seed, expert count, and the torch / diffusers /
+Cache: ``tiny_wan/`` under :func:`vllm_omni_mxfp4.envs.cache_dir` (``$VLLM_OMNI_MXFP4_CACHE``, default
+``~/.cache/vllm-omni-mxfp4``), one directory per content key (the builder's configs, seed, expert count, and the torch / diffusers /
 transformers / tokenizers versions). A build goes to a staging directory that is renamed into place
 in one step, so concurrent or interrupted builds never leave a half-written model behind.
 """
@@ -33,10 +33,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from vllm_omni_mxfp4 import envs
 
-CACHE_ENV = "VLLM_OMNI_MXFP4_CACHE"
-"""Environment variable naming the cache root (default ``~/.cache/vllm-omni-mxfp4``)."""
+logger = logging.getLogger(__name__)
 
 SEED = 0
 """Seed of every random weight; expert ``i`` (0-based) uses ``SEED + 1 + i``."""
@@ -62,7 +61,9 @@ TRANSFORMER_CONFIG: dict[str, Any] = {
     "eps": 1e-6,
     "rope_max_seq_len": 32,
 }
-"""diffusers ``WanTransformer3DModel`` config of each expert (inner dim 4 x 128 = 512)."""
+"""diffusers ``WanTransformer3DModel`` config of each expert (inner dim 4 x 128 = 512): the one tiny-Wan
+transformer config of the project; fixtures that need a variant take :func:`tiny_transformer_config`
+with overrides."""
 
 TEXT_ENCODER_CONFIG: dict[str, Any] = {
     "vocab_size": 64,
@@ -147,9 +148,13 @@ VOCABULARY: tuple[str, ...] = (
 TOKENIZER_MAX_LENGTH = 512
 
 
-def tiny_transformer_config() -> dict[str, Any]:
-    """A copy of the diffusers transformer config, as written to ``transformer/config.json``."""
-    return copy.deepcopy(TRANSFORMER_CONFIG)
+def tiny_transformer_config(**overrides: Any) -> dict[str, Any]:
+    """A copy of the diffusers transformer config (as written to ``transformer/config.json``).
+
+    ``overrides`` replace or add diffusers ``WanTransformer3DModel`` keys, e.g. ``num_layers=3`` or
+    the image-conditioned ``image_dim``; the pipeline :func:`build_tiny_wan` builds uses none.
+    """
+    return {**copy.deepcopy(TRANSFORMER_CONFIG), **overrides}
 
 
 def omni_transformer_kwargs() -> dict[str, Any]:
@@ -162,12 +167,6 @@ def omni_transformer_kwargs() -> dict[str, Any]:
     kwargs.pop("qk_norm")
     kwargs["patch_size"] = tuple(kwargs["patch_size"])
     return kwargs
-
-
-def cache_root() -> Path:
-    """The cache root: ``$VLLM_OMNI_MXFP4_CACHE`` or ``~/.cache/vllm-omni-mxfp4``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm-omni-mxfp4"
 
 
 def _library_versions() -> dict[str, str]:
@@ -255,12 +254,12 @@ def build_tiny_wan(experts: int = 2, *, cache_dir: str | Path | None = None) -> 
 
     ``experts=2`` is the Wan2.2 A14B layout (``transformer`` for high noise, ``transformer_2`` for
     low noise, ``boundary_ratio`` 0.875); ``experts=1`` a single-transformer pipeline.
-    ``cache_dir`` overrides the cache root (see :func:`cache_root`). Repeated calls with the same
+    ``cache_dir`` overrides the cache root (:func:`vllm_omni_mxfp4.envs.cache_dir`). Repeated calls with the same
     configs and library versions return the same directory without rebuilding.
     """
     if experts not in (1, 2):
         raise ValueError(f"build_tiny_wan: experts must be 1 or 2, got {experts!r}")
-    root = (Path(cache_dir).expanduser() if cache_dir is not None else cache_root()) / "tiny_wan"
+    root = (Path(cache_dir).expanduser() if cache_dir is not None else envs.cache_dir()) / "tiny_wan"
     final = root / f"wan22_t2v_{experts}e_{_content_key(experts)}"
     if (final / "model_index.json").is_file():
         return final

@@ -1,0 +1,162 @@
+"""Run vLLM-Omni's ``Omni`` once and save its frames: the one engine program of the demo and the tests.
+
+    python -m vllm_omni_mxfp4_demo.engine_job JOB.json
+
+``JOB.json`` holds the fields of :class:`Job` (only ``model`` and ``out`` are required). The job
+builds ``Omni(model=..., dtype="bfloat16", **omni_kwargs)``, sends one request per seed through
+that one engine, and writes into ``out``:
+
+- ``frames_<i>.npy``: request ``i``'s ``images[0]`` exactly as ``Omni.generate`` returns it
+  (float32 ``(1, F, H, W, 3)`` in ``[0, 1]`` for Wan2.2);
+- ``result.json``: ``load_s`` (engine construction), ``gen_s`` (one entry per request),
+  ``platform`` (the qualified class of vLLM-Omni's current platform) and ``platform_description``,
+  ``outputs`` (per request: seed, output count, ``final_output_type``, Python type, dtype, shape)
+  and, with ``report``, ``transformers``: what each transformer of the running engine holds
+  (:mod:`vllm_omni_mxfp4.omni.report`).
+
+It always runs in a process of its own (:func:`vllm_omni_mxfp4_demo.runner.run_engine_job`), so
+that every engine starts fresh, its memory is its own, and its worker processes can be reaped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Job:
+    """One engine and its requests. ``boundary_ratio`` None means the model's ``model_index.json`` value."""
+
+    model: str
+    out: str
+    omni_kwargs: dict[str, Any] = field(default_factory=dict)
+    seeds: list[int] = field(default_factory=lambda: [0])
+    prompt: str = "a cat walking on the grass"
+    negative_prompt: str = "blurry low quality"
+    height: int = 16
+    width: int = 16
+    num_frames: int = 9
+    steps: int = 2
+    guidance_scale: float = 5.0
+    boundary_ratio: float | None = None
+    report: bool = False
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Job:
+        """A job from its JSON form; unknown or missing keys are an error that names them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        missing = sorted({"model", "out"} - set(data))
+        if unknown or missing:
+            raise ValueError(
+                f"engine job: unknown keys {unknown}, missing keys {missing}; the keys are {sorted(names)}"
+            )
+        return cls(**data)
+
+
+def model_boundary_ratio(model: str | Path) -> float | None:
+    """The ``boundary_ratio`` of a local diffusers pipeline's ``model_index.json``, if it has one."""
+    index = Path(model) / "model_index.json"
+    if not index.is_file():
+        return None
+    value = json.loads(index.read_text()).get("boundary_ratio")
+    return float(value) if value is not None else None
+
+
+def engine_kwargs(job: Job) -> dict[str, Any]:
+    """The keyword arguments of ``Omni(model=job.model, ...)``."""
+    from vllm_omni_mxfp4.omni.report import WORKER_EXTENSION
+
+    kwargs: dict[str, Any] = {"dtype": "bfloat16", **job.omni_kwargs}
+    boundary = job.boundary_ratio if job.boundary_ratio is not None else model_boundary_ratio(job.model)
+    if boundary is not None:
+        kwargs["boundary_ratio"] = boundary
+    if job.report:
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
+    return kwargs
+
+
+def _generate(omni: Any, job: Job, seed: int) -> list[Any]:
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    params = OmniDiffusionSamplingParams(
+        height=job.height,
+        width=job.width,
+        num_frames=job.num_frames,
+        num_inference_steps=job.steps,
+        guidance_scale=job.guidance_scale,
+        seed=seed,
+    )
+    return omni.generate({"prompt": job.prompt, "negative_prompt": job.negative_prompt}, params)
+
+
+def _describe(outputs: list[Any], seed: int) -> dict[str, Any]:
+    frames = outputs[0].images[0]
+    return {
+        "seed": seed,
+        "count": len(outputs),
+        "final_output_type": outputs[0].final_output_type,
+        "python_type": type(frames).__name__,
+        "dtype": str(frames.dtype),
+        "shape": list(frames.shape),
+    }
+
+
+def _platform() -> dict[str, str]:
+    from vllm_omni.platforms import current_omni_platform
+
+    from vllm_omni_mxfp4.omni.report import platform_description
+
+    cls = type(current_omni_platform)
+    return {
+        "platform": f"{cls.__module__}.{cls.__qualname__}",
+        "platform_description": platform_description(),
+    }
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Build the engine, run every request, save the frames; returns the result (also ``result.json``)."""
+    import numpy as np
+    from vllm_omni import Omni
+
+    from vllm_omni_mxfp4.omni.report import transformer_reports
+
+    out = Path(job.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    omni = Omni(model=job.model, **engine_kwargs(job))
+    result: dict[str, Any] = {"load_s": time.perf_counter() - start, "gen_s": [], "outputs": []}
+    try:
+        if job.report:
+            result["transformers"] = [dataclasses.asdict(r) for r in transformer_reports(omni)]
+        for index, seed in enumerate(job.seeds):
+            start = time.perf_counter()
+            outputs = _generate(omni, job, seed)
+            result["gen_s"].append(time.perf_counter() - start)
+            result["outputs"].append(_describe(outputs, seed))
+            np.save(out / f"frames_{index}.npy", np.asarray(outputs[0].images[0]))
+        result.update(_platform())
+    finally:
+        omni.shutdown()
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vllm_omni_mxfp4_demo.engine_job JOB.json``; returns the exit status."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m vllm_omni_mxfp4_demo.engine_job JOB.json", file=sys.stderr)
+        return 2
+    run_job(Job.from_dict(json.loads(Path(args[0]).read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

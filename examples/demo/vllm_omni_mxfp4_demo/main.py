@@ -1,0 +1,226 @@
+"""The quantized video demo: one prompt through BF16 and every MXFP4 mode, compared frame by frame.
+
+    python -m vllm_omni_mxfp4_demo [--modes bf16,mxfp4,...] [--steps N] [--out outputs/demo]
+    python -m vllm_omni_mxfp4_demo --model /path/to/Wan2.2-T2V-A14B-Diffusers [--quant-path EXPORT]
+
+Without ``--model`` it builds the embedded tiny two-expert Wan2.2 text-to-video pipeline (random
+weights, seconds on a CPU; :mod:`vllm_omni_mxfp4_demo.tiny`), then:
+
+1. quantizes it offline with msModelSlim and merges the export into a diffusers checkpoint
+   (:mod:`vllm_omni_mxfp4_demo.offline`);
+2. generates the same prompt and seed through ``vllm_omni.Omni`` once per mode
+   (:data:`~vllm_omni_mxfp4_demo.modes.MODES`), each engine in a process of its own
+   (:mod:`vllm_omni_mxfp4_demo.engine_job`, run by :mod:`vllm_omni_mxfp4_demo.runner`);
+3. prints a table — PSNR and cosine similarity of the frames against BF16, the transformers' weight
+   bytes in memory, engine start and generation time — and writes one video per mode, a PNG strip of
+   frames of every mode, and the numbers as JSON and Markdown (:mod:`vllm_omni_mxfp4_demo.report`).
+
+With ``--model PATH`` the same modes run on that checkpoint on whatever platform vLLM-Omni finds
+(an accelerator, else the CPU platform); the offline mode then needs ``--quant-path`` (an existing
+msModelSlim export of that model) and is skipped without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from . import report
+from .engine_job import Job, model_boundary_ratio
+from .media import video_frames
+from .modes import MODEL_DEFAULTS, PROG, TINY_DEFAULTS, Mode, build_parser, parallel_kwargs
+from .offline import offline_checkpoint
+from .runner import RunFailed, run_engine_job
+
+
+class Progress:
+    """Timestamped progress lines on the console (through tqdm, so a progress bar stays intact)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+
+    def say(self, message: str) -> None:
+        tqdm.write(f"[demo {time.perf_counter() - self.started:6.1f}s] {message}")
+
+
+@dataclass
+class DemoRun:
+    """One run of the demo: the command line, the resolved model and sizes, and what the modes produced."""
+
+    args: argparse.Namespace
+    model: Path
+    out: Path
+    modes: list[Mode]
+    size: dict[str, int]  # height, width, num_frames, steps
+    offline_model: Path | None = None
+    failed_early: dict[str, str] = field(default_factory=dict)
+    results: list[dict[str, Any]] = field(default_factory=list)
+    frames: dict[str, np.ndarray] = field(default_factory=dict)
+    other_seed_frames: np.ndarray | None = None
+
+
+def _error(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _model(args: argparse.Namespace, progress: Progress) -> Path | int:
+    """The pipeline directory to run (the tiny one, built on first use), or exit status 2."""
+    if args.model is None:
+        from .tiny import build_tiny_wan
+
+        if args.quant_path is not None:
+            progress.say("--quant-path ignored: without --model the demo quantizes the tiny model itself")
+        progress.say("building (or reusing) the embedded tiny two-expert Wan2.2 text-to-video pipeline")
+        model = build_tiny_wan(2)
+        progress.say(f"model: {model}")
+        return model
+    model = Path(args.model).expanduser().absolute()
+    if not (model / "model_index.json").is_file():
+        return _error(f"--model {model}: not a diffusers pipeline directory (no model_index.json)")
+    if args.quant_path is not None and not Path(args.quant_path).expanduser().is_dir():
+        return _error(f"--quant-path {args.quant_path}: no such directory")
+    return model
+
+
+def _offline_step(run: DemoRun, progress: Progress) -> None:
+    """Make the offline mode's checkpoint; a failure fails that mode only, a missing export skips it."""
+    if not any(m.offline for m in run.modes):
+        return
+    if run.args.model is not None and run.args.quant_path is None:
+        progress.say(
+            "offline mode skipped: --model without --quant-path (give an msModelSlim export of the model)"
+        )
+        run.modes = [m for m in run.modes if not m.offline]
+        return
+    quant_path = None if run.args.model is None else Path(run.args.quant_path).expanduser().absolute()
+    try:
+        run.offline_model = offline_checkpoint(run.model, quant_path, run.out, progress.say)
+    except Exception as exc:  # the other modes still run; the summary reports this one
+        run.failed_early["offline"] = f"offline step failed: {type(exc).__name__}: {exc}"
+        progress.say(f"offline: FAILED: {run.failed_early['offline']}")
+
+
+def _job(run: DemoRun, mode: Mode, kwargs: dict[str, Any]) -> Job:
+    seed = run.args.seed
+    return Job(
+        model=str(run.offline_model if mode.offline else run.model),
+        out=str(run.out / "runs" / mode.name),
+        omni_kwargs={**parallel_kwargs(run.args), **kwargs},
+        # The reference engine also renders another seed: how far apart two different videos are.
+        seeds=[seed, seed + 1] if mode.name == "bf16" else [seed],
+        prompt=run.args.prompt,
+        negative_prompt=run.args.negative_prompt,
+        guidance_scale=run.args.guidance_scale,
+        boundary_ratio=model_boundary_ratio(run.model),
+        report=True,
+        **run.size,
+    )
+
+
+def _run_mode(run: DemoRun, mode: Mode, tag: str, progress: Progress) -> None:
+    """Run one mode's engine and add its entry (numbers, or the error) and frames to ``run``."""
+    kwargs = mode.omni_kwargs(run.size["steps"])
+    entry: dict[str, Any] = {"mode": mode.name, "description": mode.description, "omni_kwargs": kwargs}
+    run.results.append(entry)
+    job = _job(run, mode, kwargs)
+    shutil.rmtree(job.out, ignore_errors=True)
+    if mode.name in run.failed_early:
+        entry["error"] = run.failed_early[mode.name]
+        return
+    arguments = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no quantization argument"
+    progress.say(f"{tag}: Omni(model=..., {arguments})")
+    try:
+        result = run_engine_job(job, timeout=run.args.timeout, allow_leftovers=True)
+    except RunFailed as exc:
+        entry["error"] = f"{exc.reason} (log: {exc.log}): " + " | ".join(exc.tail(3))
+        progress.say(f"{tag}: FAILED: {entry['error']}")
+        return
+    transformers = result["transformers"]
+    entry.update(
+        load_s=result["load_s"],
+        gen_s=result["gen_s"][0],
+        platform=result["platform_description"],
+        **{
+            key: sum(t[key] for t in transformers)
+            for key in ("weight_bytes", "backend_bytes", "kernel_bytes")
+        },
+        transformers=transformers,
+    )
+    run.frames[mode.name] = video_frames(np.load(Path(job.out) / "frames_0.npy"))
+    if len(job.seeds) > 1:
+        run.other_seed_frames = video_frames(np.load(Path(job.out) / "frames_1.npy"))
+    progress.say(f"{tag}: engine started in {result['load_s']:.1f} s, generated in {entry['gen_s']:.2f} s")
+
+
+def _run_modes(run: DemoRun, progress: Progress) -> None:
+    size = run.size
+    progress.say(
+        f"generating {size['num_frames']} frames of {size['width']}x{size['height']}, {size['steps']} steps, "
+        f"seed {run.args.seed}, prompt {run.args.prompt!r}, in {len(run.modes)} modes (one engine process "
+        f"each; logs under {run.out / 'runs'})"
+    )
+    bar = tqdm(
+        run.modes, desc="modes", unit="mode", file=sys.stderr, leave=False, disable=not sys.stderr.isatty()
+    )
+    for number, mode in enumerate(bar, start=1):
+        _run_mode(run, mode, f"({number}/{len(run.modes)}) {mode.name}", progress)
+
+
+def _finish(run: DemoRun, progress: Progress) -> int:
+    """Score, write and print the report; 1 when a mode failed."""
+    settings = {k: getattr(run.args, k) for k in ("prompt", "negative_prompt", "seed", "guidance_scale")}
+    summary = report.Summary(run.out, run.model, run.offline_model, settings, run.results)
+    report.score(run.results, run.frames)
+    report.write_media(summary, run.frames)
+    summary.other_seed = report.other_seed(run.frames.get("bf16"), run.other_seed_frames, run.args.seed + 1)
+    report.publish(summary)
+    failed = summary.failed
+    progress.say(
+        f"done in {time.perf_counter() - progress.started:.1f} s"
+        + (f"; FAILED modes: {', '.join(failed)}" if failed else "")
+    )
+    return 1 if failed else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo the parsed command line describes; returns the exit status."""
+    progress = Progress()
+    model = _model(args, progress)
+    if isinstance(model, int):
+        return model
+    defaults = TINY_DEFAULTS if args.model is None else MODEL_DEFAULTS
+    size = {key: getattr(args, key) or default for key, default in defaults.items()}
+    out = Path(args.out).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    demo = DemoRun(args, model, out, list(args.modes), size)
+    _offline_step(demo, progress)
+    _run_modes(demo, progress)
+    return _finish(demo, progress)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM -> SystemExit, so that a running engine process group is ended on the way out."""
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The demo's entry point; returns the exit status (0 ok, 1 a mode failed, 2 bad arguments)."""
+    args = build_parser().parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return run(args)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,203 @@
+"""The demo's modes (how each run builds ``Omni(...)``) and its command line.
+
+:data:`MODES` is the table the demo runs, in order: BF16 (the reference) and every MXFP4 way of
+running the same model. :func:`build_parser` is ``python -m vllm_omni_mxfp4_demo``'s command line;
+:func:`add_parallel_arguments` adds the parallelism flags it shares with the text-to-video example.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+PROG = "python -m vllm_omni_mxfp4_demo"
+DEFAULT_OUT = "outputs/demo"
+DEFAULT_PROMPT = "a cat walking on the grass"
+DEFAULT_NEGATIVE_PROMPT = "blurry low quality"
+
+#: Generation defaults: the tiny model (no --model) and a real Wan2.2 checkpoint (the user guide's).
+TINY_DEFAULTS = {"height": 64, "width": 64, "num_frames": 17, "steps": 20}
+MODEL_DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "steps": 40}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A way to run the model: a name, what it means, and its ``Omni(...)`` arguments."""
+
+    name: str
+    description: str
+    omni_kwargs: Callable[[int], dict[str, Any]]  # steps -> kwargs
+    offline: bool = False
+
+
+def _last_steps(steps: int) -> list[int]:
+    return sorted({0, steps - 1})
+
+
+MODES: tuple[Mode, ...] = (
+    Mode("bf16", "BF16, no quantization (the reference)", lambda steps: {}),
+    Mode("mxfp4", "mxfp4 online, OCP scale rule", lambda steps: {"quantization": "mxfp4"}),
+    Mode(
+        "mxfp4-uos",
+        "mxfp4 online, UOS scale rule",
+        lambda steps: {"quantization_config": {"method": "mxfp4", "mxfp4_scale_alg": 2}},
+    ),
+    Mode(
+        "mxfp4-w4a8",
+        "mxfp4 online, W4A8 on the first and last denoising steps",
+        lambda steps: {"quantization_config": {"method": "mxfp4", "w4a8_fallback_steps": _last_steps(steps)}},
+    ),
+    Mode(
+        "dualscale",
+        "mxfp4_dualscale online, every block quantized (num_bf16_fallback_layers 0; the default 5 keeps "
+        "the first five blocks in BF16)",
+        lambda steps: {"quantization_config": {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0}},
+    ),
+    Mode(
+        "offline",
+        "merged msModelSlim checkpoint (mxfp4_dualscale offline), no quantization argument: auto-detected",
+        lambda steps: {},
+        offline=True,
+    ),
+)
+MODE_NAMES = tuple(m.name for m in MODES)
+
+
+def parse_modes(text: str) -> list[Mode]:
+    """Modes named in a comma-separated list, in :data:`MODES` order, always with ``bf16`` first."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODE_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODE_NAMES)}"
+        )
+    if not names:
+        raise argparse.ArgumentTypeError("--modes is empty")
+    wanted = set(names) | {"bf16"}
+    return [m for m in MODES if m.name in wanted]
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a positive integer, else a message naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel-size``, ``--ulysses-degree``, ``--cfg-parallel-size``, ``--enforce-eager``."""
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        help="Tensor-parallel ranks of the transformer (default 1).",
+    )
+    parser.add_argument(
+        "--ulysses-degree",
+        type=positive_int,
+        default=1,
+        help="Ulysses sequence-parallel degree (default 1).",
+    )
+    parser.add_argument(
+        "--cfg-parallel-size",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="Ranks running the classifier-free-guidance branches in parallel (default 1).",
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="Disable torch.compile and run eagerly.")
+
+
+def parallel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``Omni(...)`` arguments of the flags :func:`add_parallel_arguments` adds."""
+    return {
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "ulysses_degree": args.ulysses_degree,
+        "cfg_parallel_size": args.cfg_parallel_size,
+        "enforce_eager": args.enforce_eager,
+    }
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="A diffusers Wan2.2 text-to-video pipeline directory. Default: the embedded tiny two-expert "
+        "pipeline, built on first use.",
+    )
+    parser.add_argument(
+        "--quant-path",
+        default=None,
+        help="With --model: an msModelSlim export of that model, merged for the offline mode. Without "
+        "--model the demo makes its own export (ignored).",
+    )
+    parser.add_argument(
+        "--modes",
+        type=parse_modes,
+        default=",".join(MODE_NAMES),
+        help=f"Comma-separated subset of {','.join(MODE_NAMES)} (default: all). bf16 always runs: it is "
+        "the reference.",
+    )
+
+
+def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--steps", type=positive_int, default=None, help="Denoising steps (tiny: 20, --model: 40)."
+    )
+    parser.add_argument(
+        "--height", type=positive_int, default=None, help="Frame height (tiny: 64, --model: 480)."
+    )
+    parser.add_argument(
+        "--width", type=positive_int, default=None, help="Frame width (tiny: 64, --model: 832)."
+    )
+    parser.add_argument(
+        "--num-frames",
+        type=positive_int,
+        default=None,
+        help="Frames, 4k+1 for Wan2.2 (tiny: 17, --model: 81).",
+    )
+    parser.add_argument("--seed", type=int, default=42, help="Generation seed (default 42).")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"Prompt (default {DEFAULT_PROMPT!r}).")
+    parser.add_argument(
+        "--negative-prompt",
+        default=DEFAULT_NEGATIVE_PROMPT,
+        help=f"Negative prompt (default {DEFAULT_NEGATIVE_PROMPT!r}).",
+    )
+    parser.add_argument(
+        "--guidance-scale", type=float, default=5.0, help="Classifier-free guidance scale (default 5.0)."
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's command line."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=(
+            "Quantized text-to-video demo: builds the tiny two-expert Wan2.2 pipeline (or uses --model), "
+            "quantizes it offline with msModelSlim and merges it, generates one prompt with BF16 and every "
+            "MXFP4 mode through vllm_omni.Omni, and prints PSNR / cosine against BF16, transformer weight "
+            "bytes and timings; writes one video per mode and a PNG strip of frames."
+        ),
+        epilog="Modes: " + "; ".join(f"{m.name}: {m.description}" for m in MODES),
+    )
+    _add_model_arguments(parser)
+    _add_generation_arguments(parser)
+    parser.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help=f"Output directory (default {DEFAULT_OUT}); the demo's files in it are replaced.",
+    )
+    add_parallel_arguments(parser)
+    parser.add_argument(
+        "--timeout",
+        type=positive_int,
+        default=1800,
+        help="Seconds one mode (engine start + generation) may take before it is stopped (default 1800).",
+    )
+    return parser

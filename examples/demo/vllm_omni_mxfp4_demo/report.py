@@ -1,0 +1,197 @@
+"""The demo's report: the summary table, ``results.json``, ``results.md``, videos, a frame strip, the console.
+
+The per-mode result entries (dicts, as ``results.json`` stores them) come from
+:mod:`vllm_omni_mxfp4_demo.main`; :func:`score` adds PSNR and cosine against the BF16 frames,
+:func:`write_media` the videos and the strip, and :func:`publish` writes the numbers and prints the
+summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm_omni_mxfp4.omni.report import TransformerReport
+
+from .media import frame_strip, upscale, write_video
+from .metrics import cosine, psnr
+
+MIB = 1024 * 1024
+FPS = 16.0
+
+
+@dataclass
+class Summary:
+    """Everything the report shows: the run's inputs, the per-mode entries and the files written."""
+
+    out: Path
+    model: Path
+    offline_model: Path | None
+    settings: dict[str, Any]
+    results: list[dict[str, Any]]
+    other_seed: dict[str, Any] | None = None
+    videos: dict[str, Path] = field(default_factory=dict)
+    strip: Path | None = None
+
+    @property
+    def platform(self) -> str:
+        return next((r["platform"] for r in self.results if r.get("platform")), "unknown (no engine started)")
+
+    @property
+    def failed(self) -> list[str]:
+        return [r["mode"] for r in self.results if r.get("error")]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return format(value, spec)
+
+
+def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    """The summary table (header first) from the per-mode result dicts."""
+    reference = next((r for r in results if r["mode"] == "bf16" and r.get("weight_bytes")), None)
+    rows = [["mode", "PSNR dB", "cosine", "weights MiB", "vs BF16", "+backend MiB", "start s", "gen s"]]
+    for r in results:
+        if r.get("error"):
+            rows.append([r["mode"], "failed", "", "", "", "", "", ""])
+            continue
+        ratio = r["weight_bytes"] / reference["weight_bytes"] if reference else None
+        rows.append(
+            [
+                r["mode"],
+                _fmt(r["psnr"], ".2f"),
+                _fmt(r["cosine"], ".5f"),
+                _fmt(r["weight_bytes"] / MIB, ".2f"),
+                _fmt(ratio, ".3f") + ("x" if ratio is not None else ""),
+                _fmt(r["backend_bytes"] / MIB, ".2f"),
+                _fmt(r["load_s"], ".1f"),
+                _fmt(r["gen_s"], ".2f"),
+            ]
+        )
+    return rows
+
+
+def format_table(rows: list[list[str]]) -> str:
+    """Fixed-width text table."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    """The same table in Markdown."""
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    return "\n".join(lines)
+
+
+def score(results: list[dict[str, Any]], frames_by_mode: dict[str, np.ndarray]) -> None:
+    """Add ``psnr`` and ``cosine`` against the BF16 frames to each entry that has frames."""
+    reference = frames_by_mode.get("bf16")
+    for entry in results:
+        frames = frames_by_mode.get(entry["mode"])
+        if frames is not None:
+            entry["psnr"] = psnr(frames, reference) if reference is not None else None
+            entry["cosine"] = cosine(frames, reference) if reference is not None else None
+
+
+def other_seed(reference: np.ndarray | None, frames: np.ndarray | None, seed: int) -> dict[str, Any] | None:
+    """BF16 with another seed against the reference: how far apart two different videos are."""
+    if reference is None or frames is None:
+        return None
+    return {"seed": seed, "psnr": psnr(frames, reference), "cosine": cosine(frames, reference)}
+
+
+def write_media(summary: Summary, frames_by_mode: dict[str, np.ndarray]) -> None:
+    """One video per mode (enlarged to at least 256 pixels) and a strip of frames of every mode."""
+    for entry in summary.results:
+        frames = frames_by_mode.get(entry["mode"])
+        if frames is None:
+            continue
+        factor = max(1, -(-256 // min(frames.shape[1:3])))
+        path = write_video(upscale(frames, factor), summary.out / f"{entry['mode']}.mp4", fps=FPS)
+        summary.videos[entry["mode"]] = path
+        entry["video"] = str(path)
+    if frames_by_mode:
+        summary.strip = frame_strip(list(frames_by_mode.items()), summary.out / "frames_strip.png")
+
+
+def legend(summary: Summary) -> list[str]:
+    """What the table's columns mean."""
+    scale = summary.other_seed
+    return [
+        "PSNR and cosine: the frames of each mode against the BF16 frames (same prompt, seed and steps); "
+        "cosine over pixels mapped to [-1, 1]."
+        + (
+            f" For scale, BF16 with seed {scale['seed']} instead of {summary.settings['seed']} (another "
+            f"video): PSNR {_fmt(scale['psnr'], '.2f')} dB, cosine {_fmt(scale['cosine'], '.5f')}."
+            if scale
+            else ""
+        ),
+        "weights MiB: every tensor the transformers hold (packed FP4 weights, scales, Smooth vectors, BF16 "
+        "layers, norms, biases), read from the live modules in the engine process (all experts, all ranks); "
+        "BF16 Linear weights that vLLM's CPU GEMM moved into oneDNN count as N x K x 2 bytes.",
+        "+backend MiB: working buffers of the MXFP4 backend on top (the emulated backend caches dequantized "
+        "weights for speed; VLLM_OMNI_MXFP4_EMULATED_CACHE=0 turns that off).",
+        "start s: Omni(...) construction (load, quantize, warm-up); gen s: omni.generate for one video.",
+    ]
+
+
+def _write_files(summary: Summary, rows: list[list[str]], notes: list[str]) -> None:
+    numbers = {
+        "model": str(summary.model),
+        "offline_checkpoint": str(summary.offline_model) if summary.offline_model else None,
+        "platform": summary.platform,
+        "settings": summary.settings,
+        "modes": summary.results,
+        "bf16_other_seed": summary.other_seed,
+    }
+    (summary.out / "results.json").write_text(json.dumps(numbers, indent=2, default=str))
+    (summary.out / "results.md").write_text(
+        f"Platform: {summary.platform}\n\n{markdown_table(rows)}\n\n"
+        + "\n".join(f"- {m['mode']}: {m['description']}" for m in summary.results)
+        + "\n\n"
+        + "\n".join(f"- {line}" for line in notes)
+        + "\n"
+    )
+
+
+def _print_console(summary: Summary, rows: list[list[str]], notes: list[str]) -> None:
+    offline = f"\nOffline checkpoint: {summary.offline_model}" if summary.offline_model else ""
+    print(f"\nPlatform: {summary.platform}\nModel: {summary.model}{offline}\n")
+    print(format_table(rows) + "\n")
+    for entry in summary.results:
+        print(f"{entry['mode']}: {entry['description']}")
+        for t in entry.get("transformers", []):
+            print(f"    {t['name']}: {TransformerReport(**t).summary()}")
+        if entry.get("error"):
+            print(f"    FAILED: {entry['error']}")
+    print()
+    for line in notes:
+        print(line)
+    print(f"\nOutput directory: {summary.out}")
+    if summary.strip is not None:
+        print(f"  frames strip: {summary.strip}")
+    for name, path in summary.videos.items():
+        print(f"  video {name}: {path}")
+    print(f"  numbers: {summary.out / 'results.json'}, {summary.out / 'results.md'}")
+
+
+def publish(summary: Summary) -> None:
+    """Write ``results.json`` and ``results.md`` and print the table, each mode's methods and the files."""
+    rows, notes = table_rows(summary.results), legend(summary)
+    _write_files(summary, rows, notes)
+    _print_console(summary, rows, notes)
