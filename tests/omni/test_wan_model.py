@@ -68,7 +68,7 @@ class ReferenceBackend(MxBackend):
 
 @pytest.fixture(scope="module")
 def tiny_dir():
-    from vllm_omni_mxfp4.demo.tiny_wan import build_tiny_wan
+    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
 
     return build_tiny_wan(2)
 
