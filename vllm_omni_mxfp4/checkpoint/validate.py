@@ -1,0 +1,391 @@
+"""Check one transformer's msModelSlim export against its BF16 original, before anything is written.
+
+The tensors of a quantized Linear, their dtypes, shapes and valid values are those of the format's
+table in :mod:`vllm_omni_mxfp4.spec` (:func:`~vllm_omni_mxfp4.spec.checkpoint_tensors`), the same
+table the runtime loader checks. On top of it (each violation is a :class:`CheckpointError` naming the
+tensor or file):
+
+- every export tensor name is in the exact Wan2.2 name table and maps to a tensor (or, for
+  quantization tensors, a Linear) of the original;
+- a quantized Linear has every required tensor of its format, each labelled with the export's
+  format (``mul_scale`` labelled FLOAT, the bias FLOAT or the format), and its bias iff the
+  original has one; ``mul_scale`` is needed only where msModelSlim smoothed the layer (the merge
+  writes an identity one where the format requires it);
+- a FLOAT tensor is floating point with the original's shape; a Linear kept in BF16 has no scales
+  and no Smooth (a BF16 Linear does not apply ``mul_scale`` at runtime);
+- the self-attention Q/K/V of a block (fused at runtime) are all quantized or all BF16, and share
+  one ``mul_scale`` (or none);
+- only block Linears are quantized (vLLM-Omni runs the embedders and ``proj_out`` in BF16), unless
+  the caller asks to take such layers from the original.
+
+Only headers and the small tensors (scales, Smooth vectors, biases) are read.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from vllm_omni_mxfp4 import spec
+
+from .errors import CheckpointError
+from .export import FLOAT_LABEL, QuantExport
+from .names import (
+    LINEAR,
+    TensorName,
+    diffusers_to_wan,
+    fused_qkv_group,
+    is_runtime_quantizable,
+    natural_key,
+    parse_diffusers,
+    strip_smooth_wrapper,
+    wan_to_diffusers,
+)
+from .safetensors_io import FLOAT_DTYPES, TensorRef, open_archive, read_index
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_BASENAME = "diffusion_pytorch_model"
+NON_BLOCK_POLICIES = ("error", "original")
+MUL_SCALE = spec.MUL_SCALE.name
+#: The tensors the BF16 original has for a Linear; the quantized formats add the others.
+_ORIGINAL_LEAVES = ("weight", "bias")
+#: Tensors a quantized Linear adds to the original's (in table order): scales and the Smooth vector.
+ADDED_LEAVES = tuple(
+    dict.fromkeys(
+        t.name for fmt in spec.FORMATS for t in spec.checkpoint_tensors(fmt) if t.name not in _ORIGINAL_LEAVES
+    )
+)
+_SCALE_LEAVES = tuple(leaf for leaf in ADDED_LEAVES if leaf != MUL_SCALE)
+
+
+@dataclass
+class ExportTensor:
+    """One tensor of the export, with its label and the diffusers tensor it maps to."""
+
+    ref: TensorRef
+    label: str
+    export_name: str
+    wrapped: bool
+    place: TensorName
+
+
+@dataclass
+class Layers:
+    """How each Linear of the original is written, in natural order."""
+
+    quantized: list[str] = field(default_factory=list)
+    bf16: list[str] = field(default_factory=list)
+    #: Quantized in the export but taken from the original (``--non-block-quantized original``).
+    replaced: set[str] = field(default_factory=set)
+
+
+def original_archive(directory: Path) -> dict[str, TensorRef]:
+    """The tensors of an original diffusers transformer directory (single file or sharded)."""
+    index = directory / f"{WEIGHTS_BASENAME}.safetensors.index.json"
+    single = directory / f"{WEIGHTS_BASENAME}.safetensors"
+    if index.is_file():
+        shards = sorted({directory / name for name in read_index(index).values()})
+        return open_archive([p for p in shards if p.is_file()], index)
+    if single.is_file():
+        return open_archive([single])
+    raise CheckpointError(
+        f"{directory}: no {single.name} or {index.name}; the original transformer must be diffusers safetensors"
+    )
+
+
+def _export_layer(layer: str) -> str:
+    return diffusers_to_wan(f"{layer}.weight")[: -len(".weight")]
+
+
+def _fail(ref: TensorRef, what: str, problem: str) -> CheckpointError:
+    return CheckpointError(f"{ref.path}: {what} {ref.name!r} {problem}")
+
+
+def _check_dtype_and_shape(
+    t: ExportTensor, what: str, dtypes: frozenset[str] | tuple[str, ...], shape: tuple[int, ...], why: str
+) -> None:
+    if t.ref.dtype not in dtypes:
+        raise _fail(t.ref, what, f"has dtype {t.ref.dtype}; expected {' or '.join(sorted(dtypes))}")
+    if t.ref.shape != shape:
+        raise _fail(t.ref, what, f"has shape {list(t.ref.shape)}; expected {list(shape)} {why}")
+
+
+def _check_values(t: ExportTensor, record: spec.CheckpointTensor) -> None:
+    """The values of a (small) tensor against its record's value rule; packed weights are not read."""
+    if record.values == "any":
+        return
+    values = t.ref.read_array()
+    rule = record.value_rule
+    bad = rule.bad(values, np)
+    if bad.any():
+        at = [int(i) for i in np.argwhere(bad)[0]]
+        value = values[tuple(at)]
+        shown = f"0x{int(value):02X}" if values.dtype.kind == "u" else str(float(value))
+        raise _fail(
+            t.ref, record.name, f"holds {shown} at {at}; expected {rule.expected}; usual cause: {rule.cause}"
+        )
+
+
+def _allowed_labels(leaf: str, label: str) -> tuple[str, ...]:
+    """The description labels msModelSlim gives tensor ``leaf`` of a Linear quantized as ``label``."""
+    if leaf == MUL_SCALE:
+        return (FLOAT_LABEL,)
+    if leaf == "bias":
+        return (FLOAT_LABEL, label)
+    return (label,)
+
+
+def _map_export(export: QuantExport) -> dict[str, ExportTensor]:
+    mapped: dict[str, ExportTensor] = {}
+    for name in sorted(export.tensors, key=natural_key):
+        stripped, wrapped = strip_smooth_wrapper(name)
+        try:
+            place = wan_to_diffusers(stripped)
+        except CheckpointError:
+            raise CheckpointError(
+                f"{export.description}: unknown tensor {name!r}; it is not in the exact Wan2.2 "
+                "original-name table (msModelSlim must quantize the original Wan modules)"
+            ) from None
+        if wrapped and place.kind != LINEAR:
+            raise CheckpointError(
+                f"{export.description}: Smooth wrapper name {name!r} on a non-Linear module"
+            )
+        if place.name in mapped:
+            raise CheckpointError(
+                f"{export.description}: tensors {mapped[place.name].export_name!r} and {name!r} "
+                f"both map to {place.name!r}"
+            )
+        mapped[place.name] = ExportTensor(export.tensors[name], export.labels[name], name, wrapped, place)
+    return mapped
+
+
+def _parse_original_names(original: dict[str, TensorRef]) -> dict[str, TensorName]:
+    places = {}
+    for tensor, ref in original.items():
+        try:
+            places[tensor] = parse_diffusers(tensor)
+        except CheckpointError:
+            raise CheckpointError(
+                f"{ref.path}: original tensor {tensor!r} is not in the Wan2.2 name table"
+            ) from None
+    return places
+
+
+class MergeInputs:
+    """One transformer's original and export, indexed by diffusers name and by Linear layer, and the
+    checks between them; :meth:`decide_layers` runs them all."""
+
+    def __init__(self, name: str, original_dir: Path, export: QuantExport, non_block: str):
+        self.name = name
+        self.original_dir = original_dir
+        self.export = export
+        self.non_block = non_block
+        self.records = spec.checkpoint_tensors(export.quant_method)
+        self.original = original_archive(original_dir)
+        self.places = _parse_original_names(self.original)
+        self.mapped = _map_export(export)
+        self.by_layer: dict[str, dict[str, ExportTensor]] = {}
+        for t in self.mapped.values():
+            if t.place.layer is not None and t.place.kind == LINEAR:
+                self.by_layer.setdefault(t.place.layer, {})[t.place.leaf] = t
+        self.warnings: list[str] = []
+
+    def warn(self, message: str) -> None:
+        logger.warning("%s: %s", self.name, message)
+        self.warnings.append(message)
+
+    def _layer_context(self, layer: str) -> str:
+        return f"{self.export.description.name}: layer {layer} (export {_export_layer(layer)})"
+
+    # Validation ------------------------------------------------------------------------------------
+
+    def check_coverage(self) -> None:
+        """Every export tensor has its counterpart in the original (for scales: its Linear)."""
+        for t in self.mapped.values():
+            if t.place.leaf in ADDED_LEAVES:
+                if f"{t.place.layer}.weight" not in self.original:
+                    raise _fail(
+                        t.ref, "tensor", f"belongs to Linear {t.place.layer!r}, which the original lacks"
+                    )
+            elif t.place.name not in self.original:
+                raise _fail(
+                    t.ref, "tensor", f"maps to {t.place.name!r}, which the original transformer lacks"
+                )
+
+    def linear_layers(self) -> list[str]:
+        layers = {p.layer for p in self.places.values() if p.kind == LINEAR and p.leaf == "weight"}
+        return sorted(layers, key=natural_key)
+
+    def check_smooth_wrapping(self, layer: str) -> None:
+        """A Linear's export names are all Smooth-wrapped (with a ``mul_scale``) or all plain."""
+        tensors = self.by_layer.get(layer, {})
+        wrapped = {t.wrapped for t in tensors.values()}
+        if len(wrapped) > 1:
+            names = sorted(t.export_name for t in tensors.values())
+            raise CheckpointError(
+                f"{self._layer_context(layer)}: mixes Smooth-wrapped and plain tensor names {names}"
+            )
+        if wrapped == {True} and MUL_SCALE not in tensors:
+            raise CheckpointError(
+                f"{self._layer_context(layer)}: Smooth-wrapped tensors without "
+                f"{_export_layer(layer)}.div.mul_scale"
+            )
+
+    def exported_quantized(self, layer: str) -> bool:
+        """Whether the export holds a quantized weight for this Linear."""
+        weight = self.by_layer.get(layer, {}).get("weight")
+        return weight is not None and weight.label != FLOAT_LABEL
+
+    def check_bf16_layer(self, layer: str) -> None:
+        """A Linear the export keeps in BF16 carries no scales and no Smooth vector."""
+        tensors = self.by_layer.get(layer, {})
+        context = self._layer_context(layer)
+        scales = [leaf for leaf in _SCALE_LEAVES if leaf in tensors]
+        if scales and "weight" not in tensors:
+            raise CheckpointError(f"{context}: quantized layer is missing its weight tensor")
+        if scales:
+            raise CheckpointError(f"{context}: labelled FLOAT but has {', '.join(scales)}")
+        if MUL_SCALE in tensors:
+            raise CheckpointError(
+                f"{context}: kept in BF16 but carries a Smooth scale ({tensors[MUL_SCALE].export_name}); "
+                "a BF16 Linear does not apply mul_scale at runtime, so its smoothed weight would be wrong"
+            )
+
+    def _original_linear_shape(self, layer: str) -> tuple[int, int]:
+        original = self.original[f"{layer}.weight"]
+        if len(original.shape) != 2:
+            raise CheckpointError(
+                f"{self._layer_context(layer)}: the original weight has shape {list(original.shape)}, not 2-D"
+            )
+        return original.shape
+
+    def _check_tensor_set(self, layer: str) -> None:
+        """The quantized Linear has its format's tensors, labelled as msModelSlim labels them, and no others."""
+        tensors = self.by_layer[layer]
+        context = self._layer_context(layer)
+        label = self.export.label
+        for record in self.records:
+            t = tensors.get(record.name)
+            if t is not None and t.label not in _allowed_labels(record.name, label):
+                expected = " or ".join(_allowed_labels(record.name, label))
+                raise _fail(t.ref, record.name, f"is labelled {t.label}; expected {expected}")
+            if t is None and record.required and record.name != MUL_SCALE:
+                raise CheckpointError(
+                    f"{context}: quantized ({label}) but {_export_layer(layer)}.{record.name} is missing"
+                )
+        known = [record.name for record in self.records]
+        for leaf, t in tensors.items():
+            if leaf not in known:
+                raise _fail(
+                    t.ref, "tensor", f"is unexpected in a {label} layer, which has {', '.join(known)}"
+                )
+        has_bias = f"{layer}.bias" in self.original
+        if has_bias and "bias" not in tensors:
+            raise CheckpointError(f"{context}: the original has a bias but the export has none")
+        if "bias" in tensors and not has_bias:
+            raise _fail(tensors["bias"].ref, "bias", "exists but the original Linear has no bias")
+
+    def check_quantized_layer(self, layer: str) -> None:
+        """A quantized Linear's tensors against the format's table: set, labels, dtypes, shapes, values."""
+        n, k = self._original_linear_shape(layer)
+        self._check_tensor_set(layer)
+        if k % spec.WEIGHT_FP4.k_per_index:
+            raise CheckpointError(
+                f"{self._layer_context(layer)}: K = {k} is odd and cannot hold packed FP4 pairs"
+            )
+        why = f"for the original Linear {layer} of shape [{n}, {k}]"
+        tensors = self.by_layer[layer]
+        for record in self.records:
+            if record.name in tensors:
+                t = tensors[record.name]
+                _check_dtype_and_shape(
+                    t, record.name, record.dtypes, record.shape(n, k), f"{record.shape_text} {why}"
+                )
+                _check_values(t, record)
+
+    def keeps_quantized(self, layer: str) -> bool:
+        """Whether a quantized Linear is written quantized: block Linears are; for the others the
+        ``non_block`` policy either refuses the export or takes the BF16 original."""
+        if is_runtime_quantizable(layer):
+            return True
+        if self.non_block == "error":
+            raise CheckpointError(
+                f"{self._layer_context(layer)}: is quantized, but vLLM-Omni runs this Linear in BF16 "
+                "(only block Linears are quantized); exclude it from quantization in msModelSlim or "
+                "pass --non-block-quantized original"
+            )
+        self.warn(f"{layer} is quantized in the export; its BF16 original is used instead")
+        return False
+
+    def _smooth_vector(self, layer: str) -> np.ndarray | None:
+        smooth = self.by_layer[layer].get(MUL_SCALE)
+        return None if smooth is None else smooth.ref.read_array().astype(np.float32)
+
+    def check_fused_qkv(self, layers: Layers) -> None:
+        """Self-attention Q/K/V share one precision and one ``mul_scale``: vLLM-Omni fuses them."""
+        groups: dict[str, list[str]] = {}
+        for layer in self.linear_layers():
+            group = fused_qkv_group(layer)
+            if group is not None:
+                groups.setdefault(group, []).append(layer)
+        quantized = set(layers.quantized)
+        for group, members in groups.items():
+            members.sort(key=lambda layer: "qkv".index(layer[-1]))
+            context = f"{self.export.description.name}: fused self-attention {group} (export {_export_layer(members[0])[:-2]})"
+            short = [layer.rsplit(".", 1)[1] for layer in members]
+            done = [s for s, layer in zip(short, members) if layer in quantized]
+            if done and len(done) != len(members):
+                bf16 = [s for s, layer in zip(short, members) if layer not in quantized]
+                raise CheckpointError(
+                    f"{context}: partial BF16 fallback ({', '.join(done)} quantized, {', '.join(bf16)} BF16); "
+                    "vLLM-Omni fuses Q/K/V into attn1.to_qkv, so all three must share one precision"
+                )
+            if done:
+                self._check_shared_smooth(context, members, short)
+
+    def _check_shared_smooth(self, context: str, members: list[str], short: list[str]) -> None:
+        values = [self._smooth_vector(layer) for layer in members]
+        if any(v is None for v in values) and not all(v is None for v in values):
+            with_smooth = [s for s, v in zip(short, values) if v is not None]
+            raise CheckpointError(
+                f"{context}: Smooth mul_scale on {', '.join(with_smooth)} only; Q/K/V share one"
+            )
+        if values[0] is not None and not all(np.array_equal(values[0], v) for v in values[1:]):
+            raise CheckpointError(
+                f"{context}: Q/K/V have different mul_scale tensors; the fused attn1.to_qkv applies one"
+            )
+
+    def check_float_tensors(self, layers: Layers) -> None:
+        """Export tensors outside the quantized Linears are FLOAT, floating point, the original's shape."""
+        quantized = set(layers.quantized)
+        for name in sorted(self.original, key=natural_key):
+            place, t = self.places[name], self.mapped.get(name)
+            if t is None or place.layer in quantized or place.layer in layers.replaced:
+                continue
+            if t.label != FLOAT_LABEL:
+                raise _fail(t.ref, "tensor", f"is labelled {t.label} but is not part of a quantized Linear")
+            original = self.original[name]
+            _check_dtype_and_shape(t, "FLOAT tensor", FLOAT_DTYPES, original.shape, f"(the original {name})")
+
+    def decide_layers(self) -> Layers:
+        """Validate the export against the original and decide how each Linear is written."""
+        self.check_coverage()
+        layers = Layers()
+        for layer in self.linear_layers():
+            self.check_smooth_wrapping(layer)
+            if not self.exported_quantized(layer):
+                self.check_bf16_layer(layer)
+            else:
+                self.check_quantized_layer(layer)
+                if self.keeps_quantized(layer):
+                    layers.quantized.append(layer)
+                    continue
+                layers.replaced.add(layer)
+            layers.bf16.append(layer)
+        self.check_fused_qkv(layers)
+        self.check_float_tensors(layers)
+        return layers
