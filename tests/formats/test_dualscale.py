@@ -142,3 +142,15 @@ def test_floor_mx_of_normalised_values_is_the_fine_level():
     t = (x.float() / dual).to(torch.bfloat16)
     d2, s2 = quantize_mx(t, scale_rule="floor")
     assert torch.equal(d2, data) and torch.equal(s2, scale)
+
+
+def test_dualscale_does_not_depend_on_how_rows_are_chunked():
+    """A tensor larger than one CPU chunk equals its rows quantized one by one."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(600, 1024, generator=g).to(torch.bfloat16)
+    smooth = torch.rand(1024, generator=g) + 0.5
+    data, scale, dual = quantize_dualscale(x, smooth=smooth)
+    for i in (0, 255, 256, 599):
+        d, s, l0 = quantize_dualscale(x[i : i + 1], smooth=smooth)
+        assert torch.equal(data[i : i + 1], d) and torch.equal(scale[i : i + 1], s)
+        assert torch.equal(dual[i : i + 1], l0)

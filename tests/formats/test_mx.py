@@ -245,13 +245,18 @@ def test_leading_dims_and_empty():
 
 
 def test_chunked_path_equals_single_rows():
-    # Large enough to span several CPU chunks; every row must equal its own quantization.
+    # Large enough to span several CPU chunks (about 256K elements each), with a partial last block;
+    # every row must equal its own quantization, quantize-dequantize and dequantization.
     g = torch.Generator().manual_seed(7)
-    x = (torch.randn(600, 1024, generator=g) * torch.exp(torch.randn(600, 1, generator=g))).to(torch.bfloat16)
+    x = (torch.randn(600, 1000, generator=g) * torch.exp(torch.randn(600, 1, generator=g))).to(torch.bfloat16)
     data, scale = quantize_mx(x, scale_rule="uos")
-    for r in (0, 255, 256, 511, 599):
+    fake = fake_quantize_mx(x, scale_rule="uos")
+    values = dequantize_mx(data, scale, dtype=torch.bfloat16)
+    for r in (0, 255, 256, 257, 511, 599):
         d, s = quantize_mx(x[r : r + 1], scale_rule="uos")
         assert torch.equal(d[0], data[r]) and torch.equal(s[0], scale[r])
+        assert torch.equal(fake_quantize_mx(x[r : r + 1], scale_rule="uos")[0], fake[r])
+        assert torch.equal(dequantize_mx(d, s, dtype=torch.bfloat16)[0], values[r])
 
 
 def test_pack_unpack_and_decode_tables():
