@@ -38,9 +38,8 @@ __all__ = [
     "quantize_expert",
 ]
 
-# The project's tiny Wan transformer with three blocks (the specs of conftest.py use blocks.2) and
-# wider embedders.
-TINY = tiny_transformer_config(num_layers=3, text_dim=64, freq_dim=256)
+# The project's tiny Wan transformer, with three blocks: the specs of conftest.py use blocks.2.
+TINY = tiny_transformer_config(num_layers=3)
 DIM = TINY["num_attention_heads"] * TINY["attention_head_dim"]
 
 
