@@ -115,8 +115,6 @@ def timed(fn, repeats):
 
 
 def speed(args) -> None:
-    from vllm_omni_mxfp4.backends import EmulatedBackend
-
     ctx = init_vllm()
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(args.features, args.features, generator=g) * 0.02).to(torch.bfloat16)
@@ -128,8 +126,9 @@ def speed(args) -> None:
     )
     print(f"  bf16 F.linear                      {t_bf16 * 1e3:8.2f} ms   1.00x")
     for cache in (True, False):
+        # The emulated kernel reads its options when a config builds it (here: make_linear).
+        os.environ["VLLM_OMNI_MXFP4_EMULATED_CACHE"] = "1" if cache else "0"
         layer = make_linear(ctx, {"method": "mxfp4", "backend": "emulated"}, args.features, args.features)
-        layer.quant_method.backend = EmulatedBackend(cache_dequantized=cache)
         layer.weight.weight_loader(layer.weight, w)
         with ctx():
             layer.quant_method.process_weights_after_loading(layer)

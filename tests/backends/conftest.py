@@ -1,13 +1,14 @@
-"""Fixtures that install the semantic fakes of torch_npu / AITER and build the vendor backends on them."""
+"""Fixtures that install the semantic fakes of torch_npu / AITER, so the vendor kernels build on them."""
 
 from __future__ import annotations
 
 import sys
 
 import pytest
+import torch
 
-from .fake_aiter import FakeAiter
-from .fake_torch_npu import make_fake_torch_npu
+from tests.support.fake_aiter import FakeAiter
+from tests.support.fake_torch_npu import make_fake_torch_npu
 
 pytest.importorskip("vllm_omni")
 
@@ -20,16 +21,9 @@ def fake_npu(monkeypatch):
     return fake
 
 
-@pytest.fixture
-def npu_backend(fake_npu):
-    from vllm_omni_mxfp4.backends.npu import NpuBackend
-
-    return NpuBackend()
-
-
 def install_aiter(monkeypatch, rule: str = "rceil", **kwargs) -> FakeAiter:
     """Install a fake AITER of the given scale rule and pretend the GPU is a gfx950."""
-    import vllm_omni_mxfp4.backends.rocm as rocm
+    import vllm_omni_mxfp4.kernels.rocm as rocm
 
     monkeypatch.setattr(rocm, "gpu_arch", lambda: "gfx950:sramecc+:xnack-")
     return FakeAiter(rule, **kwargs).install(monkeypatch)
@@ -42,7 +36,13 @@ def fake_aiter(request, monkeypatch):
 
 
 @pytest.fixture
-def rocm_backend(fake_aiter):
-    from vllm_omni_mxfp4.backends.rocm import RocmBackend
+def plain_layer():
+    """A bare module holding checkpoint tensors, for driving a kernel without vLLM."""
 
-    return RocmBackend()
+    def make(ckpt):
+        layer = torch.nn.Module()
+        for name, t in ckpt.items():
+            layer.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
+        return layer
+
+    return make

@@ -1,4 +1,4 @@
-"""The emulated backend's options added for the vendor backends: mirroring AITER, K padding, dual fp32.
+"""The emulated kernels the vendor kernels are compared with: the AITER mirror, K padding, dual fp32.
 
 References are computed here from the formats core's quantize/dequantize and float32 GEMMs.
 """
@@ -9,25 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_omni_mxfp4.backends import EmulatedBackend, MxLayerSpec
-from vllm_omni_mxfp4.backends.emulated import parse_mirror
-from vllm_omni_mxfp4.formats import (
-    dequantize_dualscale,
-    dequantize_mx,
-    quantize_dualscale,
-    quantize_mx,
-)
+from vllm_omni_mxfp4.config import Precision
+from vllm_omni_mxfp4.formats import dequantize_dualscale, dequantize_mx, quantize_dualscale, quantize_mx
+from vllm_omni_mxfp4.kernels import EmulatedAiterSingle, EmulatedDual, EmulatedSingle, MxLayerSpec
 
 K, N = 256, 48
 
 
-def _layer(ckpt, smooth=None):
-    layer = torch.nn.Module()
-    for name, t in ckpt.items():
-        layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
-    if smooth is not None:
-        layer.register_buffer("_mx_smooth", smooth, persistent=False)
-    return layer
+def _spec(fmt="mxfp4", k=K, rule="floor", **kw):
+    return MxLayerSpec("p", fmt, rule, k, N, **kw)
 
 
 def _data(seed, k=K, n=N, dtype=torch.float32):
@@ -39,43 +29,43 @@ def _data(seed, k=K, n=N, dtype=torch.float32):
 
 
 def test_mirror_values_and_environment(monkeypatch):
-    assert parse_mirror("npu") is None and parse_mirror(" ROCm ") == "rceil"
-    assert parse_mirror("rocm:aiter_legacy") == "aiter_legacy"
     with pytest.raises(ValueError, match=r"'npu', 'rocm', 'rocm:rceil', 'rocm:aiter_legacy'.*got 'rocm:uos'"):
-        parse_mirror("rocm:uos")
+        EmulatedAiterSingle(rule="uos")
     monkeypatch.setenv("VLLM_OMNI_MXFP4_EMULATED_MIRROR", "rocm:aiter_legacy")
-    backend = EmulatedBackend()
-    assert backend.aiter_rule == "aiter_legacy" and "rocm:aiter_legacy numerics" in backend.describe()
-    assert EmulatedBackend(mirror="npu").aiter_rule is None
+    kernel = EmulatedAiterSingle()
+    assert kernel.rule == "aiter_legacy" and "rocm:aiter_legacy numerics" in kernel.describe()
+    monkeypatch.setenv("VLLM_OMNI_MXFP4_EMULATED_MIRROR", "rocm")
+    assert EmulatedAiterSingle().rule == "rceil"
+    with pytest.raises(ValueError, match="emulated compute_dtype must be 'auto' or 'float32'"):
+        EmulatedSingle(compute_dtype="float16")
 
 
 @pytest.mark.parametrize("rule", ["rceil", "aiter_legacy"])
-def test_aiter_mirror_weights_use_aiters_rule_on_bf16(rule):
+def test_aiter_mirror_weights_use_aiters_rule_on_bf16(plain_layer, rule):
     w, _, _ = _data(1)
-    backend = EmulatedBackend(mirror=f"rocm:{rule}")
-    data, scale = backend.quantize_weight(w, "floor")
+    kernel = EmulatedAiterSingle(rule=rule)
+    got = kernel.quantize_weight(w, _spec())
     want_data, want_scale = quantize_mx(w.to(torch.bfloat16), scale_rule=rule)
-    assert torch.equal(data, want_data) and torch.equal(scale, want_scale)
-    assert not torch.equal(scale, quantize_mx(w.to(torch.bfloat16))[1])  # not FLOOR
+    assert torch.equal(got["weight"], want_data) and torch.equal(got["weight_scale"], want_scale)
+    assert not torch.equal(got["weight_scale"], quantize_mx(w.to(torch.bfloat16))[1])  # not FLOOR
     with pytest.raises(NotImplementedError, match="mxfp4_scale_alg=2"):
-        backend.quantize_weight(w, "uos")
+        kernel.quantize_weight(w, _spec(rule="uos"))
     with pytest.raises(NotImplementedError, match="mxfp4_dualscale"):
-        backend.quantize_weight_dualscale(w)
+        kernel.quantize_weight(w, _spec("mxfp4_dualscale"))
     with pytest.raises(NotImplementedError, match="mxfp4_dualscale"):
-        backend.prepare(_layer({}), MxLayerSpec("p", True, "floor", K, N, False))
+        kernel.prepare(plain_layer({}), _spec("mxfp4_dualscale"), None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_aiter_mirror_forward(dtype):
+def test_aiter_mirror_forward(plain_layer, dtype):
     """Smooth in the caller's dtype, bf16 activations, AITER's rule, bf16 GEMM output, bias after."""
     w, x, b = _data(2, dtype=dtype)
     data, scale = quantize_mx(w.float())
     smooth = torch.exp(0.3 * torch.randn(K, generator=torch.Generator().manual_seed(3))).to(dtype)
-    spec = MxLayerSpec("p", False, "floor", K, N, True)
-    backend = EmulatedBackend(mirror="rocm:rceil", compute_dtype="float32")
-    layer = _layer({"weight": data, "weight_scale": scale}, smooth)
-    backend.prepare(layer, spec)
-    out = backend.linear(layer, spec, x, b, a8=False)
+    kernel = EmulatedAiterSingle(rule="rceil", compute_dtype="float32")
+    layer = plain_layer({"weight": data, "weight_scale": scale})
+    prepared = kernel.prepare(layer, _spec(), smooth)
+    out = kernel.apply(layer, prepared, x, b, Precision.W4A4)
     xs = x * smooth
     xs = xs if dtype != torch.float32 else xs.to(torch.bfloat16)
     xq = dequantize_mx(*quantize_mx(xs, scale_rule="rceil"))
@@ -83,18 +73,17 @@ def test_aiter_mirror_forward(dtype):
     want = (want.float() + b.float()).to(dtype)
     assert out.dtype == dtype and torch.equal(out, want)
     with pytest.raises(NotImplementedError, match="W4A8"):
-        backend.linear(layer, spec, x, b, a8=True)
+        kernel.apply(layer, prepared, x, b, Precision.W4A8)
 
 
-def test_dualscale_float32_callers_get_the_kernels_bf16_output():
+def test_dualscale_float32_callers_get_the_kernels_bf16_output(plain_layer):
     k = 1024
     w, x, b = _data(4, k=k)
     data, scale, dual = quantize_dualscale(w.to(torch.bfloat16))
-    spec = MxLayerSpec("p", True, "floor", k, N, False)
-    backend = EmulatedBackend()
-    layer = _layer({"weight": data, "weight_scale": scale, "weight_dual_scale": dual.unsqueeze(-1)})
-    backend.prepare(layer, spec)
-    out = backend.linear(layer, spec, x, b, a8=False)
+    kernel = EmulatedDual()
+    layer = plain_layer({"weight": data, "weight_scale": scale, "weight_dual_scale": dual.unsqueeze(-1)})
+    prepared = kernel.prepare(layer, _spec("mxfp4_dualscale", k=k), None)
+    out = kernel.apply(layer, prepared, x, b, Precision.W4A4)
     xq = dequantize_dualscale(*quantize_dualscale(x.to(torch.bfloat16)))
     full = F.linear(xq, dequantize_dualscale(data, scale, dual), b)
     assert out.dtype == torch.float32 and torch.equal(out, full.to(torch.bfloat16).float())
@@ -102,17 +91,20 @@ def test_dualscale_float32_callers_get_the_kernels_bf16_output():
 
 
 @pytest.mark.parametrize("mirror,a8", [("npu", False), ("npu", True), ("rocm:rceil", False)])
-def test_single_scale_k_padding_aligns_activation_blocks(mirror, a8):
+def test_single_scale_k_padding_aligns_activation_blocks(plain_layer, mirror, a8):
     """A shard [16, 80) of a K=96 layer: its activation blocks start 16 elements before its K."""
     k_full, k0, k, front, back = 96, 16, 64, 16, 16
     w, x_full, _ = _data(5, k=k_full, dtype=torch.bfloat16)
     data, scale = quantize_mx(w, scale_rule="floor")
     x = x_full[:, k0 : k0 + k].contiguous()
-    spec = MxLayerSpec("p", False, "floor", k, N, False, k_pad_front=front, k_pad_back=back)
-    backend = EmulatedBackend(mirror=mirror, compute_dtype="float32")
-    layer = _layer({"weight": data[:, k0 // 2 : (k0 + k) // 2].contiguous(), "weight_scale": scale})
-    backend.prepare(layer, spec)
-    out = backend.linear(layer, spec, x, None, a8=a8)
+    spec = _spec(k=k, w4a8=a8, k_pad_front=front, k_pad_back=back)
+    if mirror == "npu":
+        kernel = EmulatedSingle(compute_dtype="float32")
+    else:
+        kernel = EmulatedAiterSingle(rule="rceil", compute_dtype="float32")
+    layer = plain_layer({"weight": data[:, k0 // 2 : (k0 + k) // 2], "weight_scale": scale})
+    prepared = kernel.prepare(layer, spec, None)
+    out = kernel.apply(layer, prepared, x, None, Precision.W4A8 if a8 else Precision.W4A4)
     elem = "fp8" if a8 else "fp4"
     rule = "floor" if mirror == "npu" else "rceil"
     xq = dequantize_mx(*quantize_mx(F.pad(x, (front, back)), elem=elem, scale_rule=rule), elem=elem)
@@ -121,3 +113,11 @@ def test_single_scale_k_padding_aligns_activation_blocks(mirror, a8):
     assert torch.equal(out, want)
     unaligned = dequantize_mx(*quantize_mx(x, elem=elem, scale_rule=rule), elem=elem)
     assert not torch.equal(xq[:, front : front + k], unaligned)  # the alignment matters for this data
+
+
+def test_can_implement_declares_what_each_kernel_runs():
+    assert EmulatedSingle().can_implement(_spec(rule="uos", w4a8=True))[0]
+    ok, why = EmulatedDual().can_implement(_spec(w4a8=True))
+    assert not ok and "mxfp4 is not supported by the emulated backend" in why
+    ok, why = EmulatedAiterSingle(rule="rceil").can_implement(_spec(rule="uos"))
+    assert not ok and "p: mxfp4_scale_alg=2" in why and "mirror='rocm:rceil'" in why

@@ -1,7 +1,7 @@
 """The semantic fakes themselves, against golden values and float64 references written here.
 
 The vendor backends are proven by running them on these fakes, so the fakes must implement the
-documented semantics (research/kernels.md §1.2, §2-§4), not merely whatever the backend does.
+documented semantics (docs/kernels.md), not merely whatever the backend does.
 """
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_omni_mxfp4.formats import e2m1_decode, pack_fp4
-
-from .fake_aiter import (
+from tests.support.fake_aiter import (
     E8M0,
     FP4X2,
     FakeAiter,
@@ -19,7 +17,8 @@ from .fake_aiter import (
     shuffle_scale_layout,
     unshuffle_scale_layout,
 )
-from .fake_torch_npu import FakeNpuError, make_fake_torch_npu
+from tests.support.fake_torch_npu import FakeNpuError, make_fake_torch_npu
+from vllm_omni_mxfp4.formats import e2m1_decode, pack_fp4
 
 
 def _blocks(amaxes, dtype=torch.bfloat16):
@@ -30,7 +29,7 @@ def _blocks(amaxes, dtype=torch.bfloat16):
     return x.to(dtype)
 
 
-# Golden E8M0 codes from research/kernels.md §1.2 (FLOOR, NPU UOS 7.25) for block maxima.
+# Golden E8M0 codes (docs/kernels.md) (FLOOR, NPU UOS 7.25) for block maxima.
 AMAX = [6.0, 6.5, 7.0, 7.25, 7.5, 1.75]
 FLOOR_CODES = [127, 127, 127, 127, 127, 125]
 UOS_CODES = [127, 127, 127, 127, 128, 125]

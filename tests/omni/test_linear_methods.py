@@ -1,7 +1,7 @@
-"""The two Linear methods on real vLLM Linear layers, emulated backend, against an independent reference.
+"""The two Linear methods on real vLLM Linear layers, emulated kernels, against an independent reference.
 
-The reference of a quantized Linear is built from the formats core alone: the dequantized weight
-times the quantized-then-dequantized activation, in float32, plus bias, cast to the caller's dtype.
+The reference (``tests/support/compare.py``) is built from the formats core alone: the dequantized
+weight times the quantized-then-dequantized activation, in float32, plus bias, in the caller's dtype.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_omni_mxfp4.backends import EmulatedBackend
+from tests.support.compare import reference
+from tests.support.layers import K, N, env_vars, finish, load, make_layer, make_qkv, run, weights
 from vllm_omni_mxfp4.formats import (
     dequantize_dualscale,
     dequantize_mx,
@@ -25,93 +26,6 @@ from vllm_omni_mxfp4.omni import build_quant_config
 from vllm_omni_mxfp4.steps import denoise_step
 
 pytestmark = pytest.mark.omni
-
-K, N = 256, 96
-
-
-def make_layer(
-    env,
-    spec,
-    kind="column",
-    *,
-    k=K,
-    n=N,
-    bias=True,
-    prefix="blocks.1.attn2.to_q",
-    dtype=torch.bfloat16,
-    exact=True,
-):
-    from vllm.model_executor.layers.linear import (
-        ColumnParallelLinear,
-        QKVParallelLinear,
-        ReplicatedLinear,
-        RowParallelLinear,
-    )
-
-    qc = build_quant_config(spec)
-    with env.context():
-        if kind == "column":
-            layer = ColumnParallelLinear(
-                k, n, bias=bias, quant_config=qc, prefix=prefix, params_dtype=dtype, return_bias=False
-            )
-        elif kind == "row":
-            layer = RowParallelLinear(
-                k, n, bias=bias, quant_config=qc, prefix=prefix, params_dtype=dtype, return_bias=False
-            )
-        elif kind == "replicated":
-            layer = ReplicatedLinear(
-                k, n, bias=bias, quant_config=qc, prefix=prefix, params_dtype=dtype, return_bias=False
-            )
-        else:
-            layer = QKVParallelLinear(
-                k,
-                head_size=32,
-                total_num_heads=n // 96 * 1 or 1,
-                bias=bias,
-                quant_config=qc,
-                prefix=prefix,
-                params_dtype=dtype,
-                return_bias=False,
-            )
-    if exact and hasattr(layer.quant_method, "backend"):
-        layer.quant_method.backend = EmulatedBackend(compute_dtype="float32")
-    return layer
-
-
-def load(layer, name, tensor, *shard):
-    param = getattr(layer, name)
-    param.weight_loader(param, tensor, *shard)
-
-
-def finish(env, layer):
-    with env.context():
-        layer.quant_method.process_weights_after_loading(layer)
-
-
-def run(env, layer, x):
-    with env.context(), torch.no_grad():
-        return layer(x)
-
-
-def weights(seed=0, n=N, k=K, dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
-    b = (torch.randn(n, generator=g) * 0.1).to(dtype)
-    x = (torch.randn(3, 5, k, generator=g) * torch.exp(torch.randn(3, 5, k, generator=g))).to(dtype)
-    return w, b, x
-
-
-def reference(x, w_deq, bias, *, act="fp4", rule="floor", smooth=None, out_dtype=None, w4a8_bf16=False):
-    out_dtype = out_dtype or x.dtype
-    if smooth is not None:
-        x = x * smooth.to(x.dtype)
-    data, scale = quantize_mx(x, elem=act, scale_rule=rule)
-    xq = dequantize_mx(data, scale, elem=act, dtype=torch.float32)
-    b = None if bias is None else (bias.to(torch.bfloat16) if w4a8_bf16 else bias).float()
-    out = F.linear(xq, w_deq.float(), b)
-    if w4a8_bf16:
-        out = out.to(torch.bfloat16)
-    return out.to(out_dtype)
 
 
 @pytest.mark.parametrize("alg,rule", [(0, "floor"), (2, "uos")])
@@ -255,7 +169,7 @@ def test_offline_all_ones_smooth_is_not_applied(vllm_env):
     layer, data, scale = _offline_single(vllm_env, w, smooth=torch.ones(K))
     load(layer, "bias", b)
     finish(vllm_env, layer)
-    assert "_mx_smooth" not in dict(layer.named_buffers())
+    assert set(layer.state_dict()) == {"weight", "weight_scale", "mul_scale", "bias"}
     assert torch.equal(run(vllm_env, layer, x), reference(x, dequantize_mx(data, scale), b))
 
 
@@ -330,22 +244,8 @@ def test_offline_rejects_bad_weight_layouts_and_nan_scales(vllm_env):
 
 
 def test_qkv_fused_loading_and_shared_smooth(vllm_env):
-    from vllm.model_executor.layers.linear import QKVParallelLinear
-
     spec = {"method": "mxfp4", "is_checkpoint_mxfp4_serialized": True, "backend": "emulated"}
-    qc = build_quant_config(spec)
-    with vllm_env.context():
-        layer = QKVParallelLinear(
-            K,
-            head_size=32,
-            total_num_heads=2,
-            bias=True,
-            quant_config=qc,
-            prefix="blocks.0.attn1.to_qkv",
-            params_dtype=torch.bfloat16,
-            return_bias=False,
-        )
-    layer.quant_method.backend = EmulatedBackend(compute_dtype="float32")
+    layer = make_qkv(vllm_env, spec)
     g = torch.Generator().manual_seed(2)
     ws = [(torch.randn(64, K, generator=g) * 0.05).to(torch.bfloat16) for _ in range(3)]
     bs = [(torch.randn(64, generator=g) * 0.1).to(torch.bfloat16) for _ in range(3)]
@@ -361,37 +261,14 @@ def test_qkv_fused_loading_and_shared_smooth(vllm_env):
     x = torch.randn(4, K, generator=g).to(torch.bfloat16)
     want = reference(x, dequantize_mx(*quantize_mx(w_all)), torch.cat(bs), smooth=smooth)
     assert torch.equal(run(vllm_env, layer, x), want)
-    with vllm_env.context():
-        other = QKVParallelLinear(
-            K,
-            head_size=32,
-            total_num_heads=2,
-            bias=True,
-            quant_config=qc,
-            prefix="blocks.0.attn1.to_qkv",
-            params_dtype=torch.bfloat16,
-            return_bias=False,
-        )
+    other = make_qkv(vllm_env, spec)
     load(other, "mul_scale", smooth, "q")
     with pytest.raises(ValueError, match="Fused Q/K/V must share the same Smooth tensor"):
         load(other, "mul_scale", smooth * 2, "k")
 
 
 def test_online_qkv_is_quantized_only_once_complete(vllm_env):
-    from vllm.model_executor.layers.linear import QKVParallelLinear
-
-    qc = build_quant_config({"method": "mxfp4", "backend": "emulated"})
-    with vllm_env.context():
-        layer = QKVParallelLinear(
-            K,
-            head_size=32,
-            total_num_heads=2,
-            bias=False,
-            quant_config=qc,
-            prefix="blocks.0.attn1.to_qkv",
-            params_dtype=torch.bfloat16,
-            return_bias=False,
-        )
+    layer = make_qkv(vllm_env, {"method": "mxfp4", "backend": "emulated"}, bias=False)
     g = torch.Generator().manual_seed(4)
     ws = [(torch.randn(64, K, generator=g) * 0.05).to(torch.bfloat16) for _ in range(3)]
     load(layer, "weight", ws[0], "q")
@@ -478,9 +355,11 @@ def test_configs_survive_pickling(vllm_env):
 
 
 def test_forward_before_processing_is_a_clear_error(vllm_env):
-    layer = make_layer(vllm_env, {"method": "mxfp4", "backend": "emulated"})
-    load(layer, "weight", weights(18)[0])
-    layer._mx_spec = None
+    spec = {"method": "mxfp4", "is_checkpoint_mxfp4_serialized": True, "backend": "emulated"}
+    layer = make_layer(vllm_env, spec)
+    data, scale = quantize_mx(weights(18)[0])
+    load(layer, "weight", data)
+    load(layer, "weight_scale", scale)  # complete, but process_weights_after_loading never ran
     with pytest.raises(RuntimeError, match="process_weights_after_loading"):
         run(vllm_env, layer, torch.randn(2, K).to(torch.bfloat16))
 
@@ -517,7 +396,8 @@ def test_w4a4_and_w4a8_share_one_prepared_weight(vllm_env):
     load(layer, "bias", b)
     finish(vllm_env, layer)
     buffers = {name: t.data_ptr() for name, t in layer.named_buffers()}
-    assert set(buffers) == {"_mx_weight_dequant"}  # one prepared weight, no per-precision copy
+    # One prepared weight (the dequantized float32 cache), no per-precision copy.
+    assert sum(t.numel() * t.element_size() for t in layer.buffers()) == N * K * 4
     for step in (0, 1, 2):
         with denoise_step(step):
             run(vllm_env, layer, x)
@@ -527,10 +407,57 @@ def test_w4a4_and_w4a8_share_one_prepared_weight(vllm_env):
 
 def test_packed_only_mode_keeps_no_dequantized_copy(vllm_env):
     w, b, x = weights(21)
-    layer = make_layer(vllm_env, {"method": "mxfp4", "backend": "emulated"}, exact=False)
-    layer.quant_method.backend = EmulatedBackend(cache_dequantized=False, compute_dtype="float32")
+    with env_vars(VLLM_OMNI_MXFP4_EMULATED_CACHE="0"):
+        layer = make_layer(vllm_env, {"method": "mxfp4", "backend": "emulated"})
     load(layer, "weight", w)
     load(layer, "bias", b)
     finish(vllm_env, layer)
-    assert dict(layer.named_buffers()) == {}
+    assert list(layer.buffers()) == []
     assert torch.equal(run(vllm_env, layer, x), reference(x, dequantize_mx(*quantize_mx(w)), b))
+
+
+def test_env_options_are_read_when_a_config_builds_its_kernels(vllm_env):
+    """No process-wide cache: a variable set after import reaches the next config's layers."""
+    w, b, x = weights(22)
+    held, outs = [], []
+    for cache in ("1", "0"):
+        with env_vars(VLLM_OMNI_MXFP4_EMULATED_CACHE=cache):
+            layer = make_layer(vllm_env, {"method": "mxfp4", "backend": "emulated"})
+        load(layer, "weight", w)
+        load(layer, "bias", b)
+        finish(vllm_env, layer)
+        held.append(sum(t.numel() for t in layer.buffers()))
+        outs.append(run(vllm_env, layer, x))
+    assert held == [N * K, 0]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_method_class_is_wired_without_importing_the_method_modules():
+    """Importing only the config wrappers and asking for a method works (no import side effect)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from vllm.model_executor.layers.linear import LinearBase\n"
+        "from vllm_omni_mxfp4.config import Mxfp4Config\n"
+        "from vllm_omni_mxfp4.omni.quant_config import Mxfp4QuantizationConfig\n"
+        "layer = LinearBase.__new__(LinearBase)\n"
+        "method = Mxfp4QuantizationConfig(Mxfp4Config()).get_quant_method(layer, 'blocks.0.attn1.to_qkv')\n"
+        "print(type(method).__name__)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "Mxfp4LinearMethod"
+
+
+def test_dropped_layers_leave_no_handle_behind(vllm_env):
+    import gc
+
+    from vllm_omni_mxfp4.omni import linear
+
+    layers = [make_layer(vllm_env, {"method": "mxfp4", "backend": "emulated"}) for _ in range(3)]
+    handles = {layer._mx.handle for layer in layers}
+    assert handles <= set(linear._LAYERS)
+    del layers
+    gc.collect()
+    assert not handles & set(linear._LAYERS)

@@ -12,9 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.layers import finish, load, make_layer, run
 from vllm_omni_mxfp4.formats import dequantize_dualscale, dequantize_mx, quantize_dualscale, quantize_mx
-
-from .test_linear_methods import finish, load, make_layer, run
 
 pytestmark = pytest.mark.omni
 

@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 
 import pytest
 import torch
 
+from tests.support.ports import free_port
+
 pytestmark = [pytest.mark.omni, pytest.mark.slow]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, port: int, spec, model_dir: str, results) -> None:
@@ -63,7 +58,7 @@ def _rank_main(rank: int, world: int, port: int, spec, model_dir: str, results) 
             if spec.get("backend") == "npu":
                 import sys
 
-                from tests.backends.fake_torch_npu import make_fake_torch_npu
+                from tests.support.fake_torch_npu import make_fake_torch_npu
 
                 # The semantic fake, installed once the engine's platform is resolved.
                 sys.modules["torch_npu"] = make_fake_torch_npu()
@@ -96,7 +91,7 @@ def _rank_main(rank: int, world: int, port: int, spec, model_dir: str, results) 
 def _run(world: int, spec, model_dir) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(r, world, port, spec, str(model_dir), results))
         for r in range(world)

@@ -24,8 +24,7 @@ def build_quant_config(spec: Any) -> Any:
     from vllm_omni.quantization.component_config import ComponentQuantizationConfig
 
     from ..config import ComponentConfigs, Mxfp4Config, parse_quantization
-    from .mxfp4 import Mxfp4QuantizationConfig
-    from .mxfp4_dualscale import Mxfp4DualScaleQuantizationConfig
+    from .quant_config import Mxfp4DualScaleQuantizationConfig, Mxfp4QuantizationConfig
 
     def wrap(cfg):
         if cfg is None:

@@ -1,22 +1,21 @@
-"""What the two MXFP4 Linear methods share: weight creation and loading, post-processing, forward.
+"""The MXFP4 Linear method: a quantized Linear's lifecycle, its forward and the custom op.
 
-Life of a quantized Linear:
+Life of a quantized Linear (its state: :class:`~.state.MxLayerState` at ``layer._mx``):
 
-- ``create_weights``: online, a BF16 ``weight`` on the meta device (no memory); offline, the
-  checkpoint tensors (``weight`` packed uint8 (N, K/2), ``weight_scale`` uint8 (N, G), plus
-  ``weight_dual_scale`` / ``mul_scale``). Every parameter gets a loader wrapper that validates the
-  checkpoint tensor (names it in errors), converts numeric FP4 weights to packed bytes, and counts
-  the elements it wrote, so the method knows when a parameter is complete (fused Q/K/V arrive in
-  three pieces).
-- Online: the moment the last element of a layer's weight is loaded, the BF16 weight is quantized
-  by the backend and freed, so loading never holds more than one BF16 layer above the quantized
-  model.
-- ``process_weights_after_loading``: checks completeness and Smooth, then lets the backend build
-  its kernel-ready tensors (non-persistent buffers). Idempotent.
-- ``apply``: Smooth, activation quantization (A4 per scale rule, or A8 on W4A8 routes/steps), GEMM,
-  bias, in the caller's dtype, for any leading shape. The A4/A8 decision is made per call from the
-  step provider, with no state on the layer. Under ``torch.compile`` the whole call is one opaque
-  custom op, so a new denoising step never triggers a recompilation.
+- ``create_weights`` (phase ``CREATED``): the kernel is chosen for the layer
+  (:class:`~vllm_omni_mxfp4.kernels.KernelSelector`; what it cannot run is refused here, before
+  any allocation); online, a BF16 ``weight`` on the meta device (no memory); offline, the format's
+  checkpoint tensors as :mod:`vllm_omni_mxfp4.spec` lists them. Every parameter gets a loader
+  wrapper (:mod:`.loading`).
+- Loading (``LOADING``): online, the moment the last element of the weight arrives the kernel
+  quantizes it and the BF16 weight is freed (``QUANTIZED``), so loading never holds more than one
+  BF16 layer above the quantized model; the layer is prepared at once.
+- ``process_weights_after_loading``: offline, checks completeness, NaN scales and Smooth
+  (``LOADED``); then the kernel prepares its tensors (``PREPARED``). Idempotent; vLLM-Omni's loader
+  skips layers whose ``_already_called_process_weights_after_loading`` is set.
+- ``apply``: the precision (A4, or A8 on W4A8 routes/steps) is decided per call from the step
+  provider, with no state on the layer; then the kernel runs. Under ``torch.compile`` the whole call
+  is one opaque custom op, so a new denoising step never triggers a recompilation.
 """
 
 from __future__ import annotations
@@ -24,53 +23,39 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch.nn import Parameter
-from torch.utils._python_dispatch import TorchDispatchMode
 from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
 from vllm.model_executor.utils import set_weight_attrs
 
-from ..backends import MxLayerSpec, get_backend
 from ..config import LayerRoute, Precision, QuantConfig
-from ..formats import DUAL_BLOCK_SIZE, MX_BLOCK_SIZE, NAN_CODE, e2m1_decode, e2m1_encode, pack_fp4
+from ..kernels import KernelSelector, MxLayerSpec
+from ..spec import E8M0_NAN, FORMATS, CheckpointTensor, checkpoint_tensors
 from . import trace
+from .loading import checked_tensor, counted_load, row_shard, shard_geometry
+from .state import PREPARED_ATTR, MxLayerState, Phase
 
 logger = logging.getLogger(__name__)
 
-_FLOATS = (
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.float64,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-)
-
-
-class _CopyCounter(TorchDispatchMode):
-    """Counts the elements copied into one storage while a loader runs."""
-
-    def __init__(self, target: torch.Tensor) -> None:
-        super().__init__()
-        self.ptr = target.untyped_storage().data_ptr()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.copy_.default and args[0].untyped_storage().data_ptr() == self.ptr:
-            self.count += args[0].numel()
-        return func(*args, **(kwargs or {}))
-
-
-# Layers reachable from the custom op by an integer handle (weak: a dropped model is collected).
+# Layers reachable from the custom op by an integer handle (weak: a dropped model is collected, and
+# its entry removed with it).
 _LAYERS: dict[int, weakref.ref] = {}
 _HANDLES = itertools.count(1)
 
 
+def register_layer(layer: torch.nn.Module) -> int:
+    """A handle for ``layer`` that the custom op resolves; forgotten when the layer is collected."""
+    handle = next(_HANDLES)
+    _LAYERS[handle] = weakref.ref(layer)
+    weakref.finalize(layer, _LAYERS.pop, handle, None)
+    return handle
+
+
 def _layer_for(handle: int) -> torch.nn.Module:
-    layer = _LAYERS[handle]()
+    ref = _LAYERS.get(handle)
+    layer = None if ref is None else ref()
     if layer is None:
         raise RuntimeError(f"vllm_omni_mxfp4: quantized layer #{handle} no longer exists")
     return layer
@@ -88,73 +73,51 @@ def _linear_op_fake(x: torch.Tensor, bias: torch.Tensor | None, handle: int) -> 
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-@dataclass
-class _LoadState:
-    """Per-layer loading bookkeeping (plain Python, not in the state dict).
+class MxLinearMethod(LinearMethodBase):
+    """One quantized Linear of format :attr:`method_name`; subclasses add the format's config facts.
 
-    A row-parallel shard owns K elements ``[k0, k0 + k)`` of the checkpoint's ``k_full``. When that
-    range does not start or end on a scale-block boundary (DualScale: 512; single scale: 32), the
-    shard keeps the scales of every block it touches and pads ``front`` / ``back`` zero elements
-    around its K at run time so that blocks line up; its online weight is quantized over that
-    block-aligned range, exactly as TP=1 quantizes those blocks.
+    ``kernels`` is the owning quantization config's :class:`KernelSelector` (a fresh one for the
+    config's ``backend`` when the method is built alone).
     """
 
-    k_full: int
-    k: int
-    k0: int = 0
-    front: int = 0
-    back: int = 0
-    sharded: bool = False
-    loaded: dict[str, int] = field(default_factory=dict)
-    load_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def k_padded(self) -> int:
-        return self.front + self.k + self.back
-
-
-class MxLinearMethod(LinearMethodBase):
-    """Base of :class:`Mxfp4LinearMethod` and :class:`Mxfp4DualScaleLinearMethod`."""
-
-    dual_scale: ClassVar[bool] = False
     method_name: ClassVar[str] = ""
+    #: Middle of the config's serialized flag, named in errors: ``is_checkpoint_<infix>serialized``.
+    serialized_infix: ClassVar[str] = ""
+    #: The error for a tensor of another format (``{where}``: prefix.name), or None to ignore it.
+    foreign_tensor_error: ClassVar[str | None] = None
 
-    def __init__(self, config: QuantConfig, route: LayerRoute, prefix: str) -> None:
+    def __init__(
+        self, config: QuantConfig, route: LayerRoute, prefix: str, kernels: KernelSelector | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.route = route
         self.prefix = prefix
-        self.backend = get_backend(config.backend)
+        self.kernels = kernels if kernels is not None else KernelSelector(config.backend)
         self.online = not config.is_serialized
-        # Refuse what the backend cannot run now, before any weight is allocated.
-        self.backend.check_supported(
-            prefix,
-            dual_scale=self.dual_scale,
-            scale_rule=self.act_scale_rule,
-            w4a8=route.precision is Precision.W4A8 or bool(route.a8_steps),
-        )
         # Read by vLLM-Omni's Wan post-load summary.
         self.is_w4a8_fallback_layer = route.precision is Precision.W4A8
 
-    # ------------------------------------------------------------------ format-specific hooks
-
-    @property
-    def weight_scale_rule(self) -> str:
-        """Scale rule of online weight quantization."""
-        return "floor"
+    # ------------------------------------------------------------------ format facts (subclasses)
 
     @property
     def act_scale_rule(self) -> str:
-        """Scale rule of A4 activations."""
+        """Scale rule of online weights and A4 activations."""
         return "floor"
 
-    def _extra_checkpoint_params(self, layer: torch.nn.Module, n: int, k: int) -> None:
-        """Register format-specific offline parameters (dual scale, Smooth)."""
+    @property
+    def backend(self) -> str:
+        """The backend this config's layers run on (``auto`` resolved)."""
+        return self.kernels.backend
 
-    def _smooth_required(self) -> bool:
-        return False
+    def checkpoint_tensors(self) -> tuple[CheckpointTensor, ...]:
+        """The quantized tensors of an offline checkpoint (the table's, without ``bias``: vLLM owns it)."""
+        return tuple(t for t in checkpoint_tensors(self.method_name) if t.name != "bias")
 
-    # ------------------------------------------------------------------ weight creation
+    def tensor(self, name: str) -> CheckpointTensor:
+        return next(t for t in self.checkpoint_tensors() if t.name == name)
+
+    # ------------------------------------------------------------------ CREATED
 
     def create_weights(
         self,
@@ -166,272 +129,202 @@ class MxLinearMethod(LinearMethodBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs: Any,
     ) -> None:
-        """Register the layer's parameters: a lazy BF16 weight (online) or the checkpoint tensors."""
-        layer_loader = extra_weight_attrs.pop("weight_loader")
-        self._layer_loader = layer_loader
+        """Choose the kernel, then register a lazy BF16 weight (online) or the checkpoint tensors."""
+        vllm_loader = extra_weight_attrs.pop("weight_loader")
         n, k = sum(output_partition_sizes), input_size_per_partition
         if k % 2:
             raise ValueError(f"{self.prefix}: MXFP4 needs an even input size per partition, got K={k}")
+        layer._mx = self._new_state(layer, n, k, input_size)
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition = k
         layer.output_size_per_partition = n
         layer.orig_dtype = params_dtype
-        default_device = torch.get_default_device()
-        state = self._shard_geometry(layer, k, input_size)
-        state.load_device = torch.device("cpu") if default_device.type == "meta" else default_device
-        layer._mx_load = state
-        layer._mx_spec = None
-        handle = next(_HANDLES)
-        _LAYERS[handle] = weakref.ref(layer)
-        layer._mx_handle = handle
         if self.online:
-            weight = torch.empty(n, state.k_padded, dtype=params_dtype, device="meta")
-            self._register(
-                layer,
-                "weight",
-                Parameter(weight, requires_grad=False),
-                {"input_dim": 1, "output_dim": 0},
-                layer_loader,
-            )
+            weight = torch.empty(n, layer._mx.geometry.k_padded, dtype=params_dtype, device="meta")
+            self._register(layer, "weight", weight, {"input_dim": 1, "output_dim": 0}, vllm_loader)
             return
-        packed = torch.empty(n, k // 2, dtype=torch.uint8)
-        self._register(
-            layer,
-            "weight",
-            Parameter(packed, requires_grad=False),
-            {"input_dim": 1, "output_dim": 0, "is_checkpoint_required": True},
-            layer_loader,
-        )
-        scale = torch.empty(n, -(-state.k_padded // MX_BLOCK_SIZE), dtype=torch.uint8)
-        self._register(
-            layer,
-            "weight_scale",
-            Parameter(scale, requires_grad=False),
-            {"input_dim": 1, "output_dim": 0, "is_checkpoint_required": True},
-            layer_loader,
-        )
-        self._extra_checkpoint_params(layer, n, state.k_padded)
-        smooth = torch.full((k,), float("nan"), dtype=torch.float32)
-        self._register(
-            layer,
-            "mul_scale",
-            Parameter(smooth, requires_grad=False),
-            {
-                "input_dim": 0,
-                "ignore_warning": True,
-                "is_checkpoint_required": self._smooth_required(),
-                "is_checkpoint_optional": not self._smooth_required(),
-            },
-            layer_loader,
-        )
+        for tensor in self.checkpoint_tensors():
+            self._register_checkpoint_tensor(layer, tensor, n, vllm_loader)
+        self._register_foreign_sentinels(layer)
 
-    def _shard_geometry(self, layer: torch.nn.Module, k: int, k_full: int) -> _LoadState:
-        """Where this partition's K sits in the checkpoint's, and the padding that aligns it."""
-        if not (isinstance(layer, RowParallelLinear) and layer.tp_size > 1):
-            return _LoadState(k_full=k_full, k=k)
-        block = DUAL_BLOCK_SIZE if self.dual_scale else MX_BLOCK_SIZE
-        k0 = layer.tp_rank * k
-        front, back = k0 % block, -(k0 + k) % block
-        if front or back:
-            logger.info(
-                "%s: K=%d split over TP=%d gives %d per rank, not a multiple of %d; rank %d pads %d+%d zero "
-                "inputs to line its blocks up with the checkpoint's",
-                self.prefix,
-                k_full,
-                layer.tp_size,
-                k,
-                block,
-                layer.tp_rank,
-                front,
-                back,
+    def _new_state(self, layer: torch.nn.Module, n: int, k: int, k_full: int) -> MxLayerState:
+        """The layer's state: shard geometry, kernel spec, the chosen kernel, a custom-op handle."""
+        sharded = isinstance(layer, RowParallelLinear) and layer.tp_size > 1
+        block = max(t.k_per_index for t in self.checkpoint_tensors())
+        geometry = shard_geometry(
+            self.prefix,
+            k,
+            k_full,
+            tp_rank=layer.tp_rank if sharded else 0,
+            tp_size=layer.tp_size if sharded else 1,
+            block=block,
+        )
+        spec = MxLayerSpec(
+            prefix=self.prefix,
+            fmt=self.method_name,
+            scale_rule=self.act_scale_rule,
+            in_features=k,
+            out_features=n,
+            w4a8=self.route.precision is Precision.W4A8 or bool(self.route.a8_steps),
+            k_pad_front=geometry.front,
+            k_pad_back=geometry.back,
+        )
+        kernel = self.kernels.kernel_for(spec)  # refuses what the kernel cannot run, before allocation
+        device = torch.get_default_device()
+        state = MxLayerState(spec, geometry, kernel, register_layer(layer), self.online)
+        state.load_device = torch.device("cpu") if device.type == "meta" else device
+        return state
+
+    def _register_checkpoint_tensor(
+        self, layer: torch.nn.Module, tensor: CheckpointTensor, n: int, vllm_loader
+    ) -> None:
+        dtype = {"U8": torch.uint8, "F32": torch.float32}[tensor.dtypes[0]]
+        shape = tensor.shape(n, layer._mx.geometry.k_of(tensor))
+        if tensor.k_axis == 0:  # the Smooth vector: NaN until loaded, so a partial load shows
+            data = torch.full(shape, float("nan"), dtype=dtype)
+            attrs = {"input_dim": 0, "ignore_warning": True, "is_checkpoint_optional": not tensor.required}
+        else:
+            data = torch.empty(shape, dtype=dtype)
+            attrs = {"input_dim": 1, "output_dim": 0}
+        attrs["is_checkpoint_required"] = tensor.required
+        self._register(layer, tensor.name, data, attrs, vllm_loader)
+
+    def _register_foreign_sentinels(self, layer: torch.nn.Module) -> None:
+        """Placeholders for other formats' tensors, whose only job is to refuse them with a clear
+        message; removed after loading."""
+        if self.foreign_tensor_error is None:
+            return
+        own = {t.name for t in checkpoint_tensors(self.method_name)}
+        others = {t.name for fmt in FORMATS for t in checkpoint_tensors(fmt)} - own
+        for name in sorted(others):
+            sentinel = Parameter(torch.empty(0), requires_grad=False)
+            layer.register_parameter(name, sentinel)
+            message = self.foreign_tensor_error.format(where=f"{self.prefix}.{name}")
+
+            def refuse(param, loaded_weight, *args, _message=message) -> None:
+                raise ValueError(_message)
+
+            set_weight_attrs(
+                sentinel, {"is_checkpoint_optional": True, "ignore_warning": True, "weight_loader": refuse}
             )
-        return _LoadState(k_full=k_full, k=k, k0=k0, front=front, back=back, sharded=True)
 
     def _register(
-        self,
-        layer: torch.nn.Module,
-        name: str,
-        param: Parameter,
-        attrs: dict[str, Any],
-        layer_loader,
+        self, layer: torch.nn.Module, name: str, data: torch.Tensor, attrs: dict, vllm_loader
     ) -> None:
+        param = Parameter(data, requires_grad=False)
         layer.register_parameter(name, param)
-        set_weight_attrs(param, {**attrs, "weight_loader": self._make_loader(layer, name, layer_loader)})
+        set_weight_attrs(param, {**attrs, "weight_loader": self._loader(layer, name, vllm_loader)})
 
-    # ------------------------------------------------------------------ loading
+    # ------------------------------------------------------------------ LOADING
 
-    def _make_loader(self, layer: torch.nn.Module, name: str, layer_loader):
-        """A weight loader for parameter ``name`` that validates, converts and counts."""
+    def _loader(self, layer: torch.nn.Module, name: str, vllm_loader):
+        """A weight loader for parameter ``name`` that checks, converts, shards and counts."""
+        state: MxLayerState = layer._mx
 
         def load(param: Parameter, loaded_weight: torch.Tensor, *args: Any) -> None:
-            loaded_weight = self._check_checkpoint_tensor(layer, name, loaded_weight)
-            target = getattr(layer, name)
-            if target.is_meta:
-                target = self._materialize(layer, name)
-            # Fused Q/K/V: one Smooth tensor per projection, all three must agree.
-            if (
-                name == "mul_scale"
-                and layer._mx_load.loaded.get(name)
-                and not torch.equal(target.data.to(loaded_weight.dtype), loaded_weight.to(target.device))
-            ):
-                raise ValueError(f"Fused Q/K/V must share the same Smooth tensor: {self.prefix}.mul_scale")
-            counter = _CopyCounter(target)
-            try:
-                with counter:
-                    if layer._mx_load.sharded:
-                        target.data.copy_(self._row_shard(layer, name, loaded_weight))
+            loaded_weight = self._checked(state, name, loaded_weight)
+            if name == "mul_scale" and state.loaded_count(name):
+                self._check_shared_smooth(layer, loaded_weight)
+            tensor = None if self.online else self.tensor(name)
+
+            def copy(target: torch.Tensor) -> None:
+                try:
+                    if state.geometry.sharded:
+                        target.data.copy_(row_shard(state.geometry, tensor, loaded_weight))
                     else:
-                        layer_loader(target, loaded_weight, *args)
-            except (AssertionError, RuntimeError) as exc:
-                raise ValueError(
-                    f"{self.prefix}.{name}: checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit "
-                    f"the parameter of shape {tuple(target.shape)} (layer {type(layer).__name__}): {exc}"
-                ) from exc
-            loaded = layer._mx_load.loaded.get(name, 0) + counter.count
-            layer._mx_load.loaded[name] = loaded
-            if self.online and name == "weight" and loaded >= target.numel():
+                        vllm_loader(target, loaded_weight, *args)
+                except (AssertionError, RuntimeError) as exc:
+                    raise ValueError(
+                        f"{self.prefix}.{name}: checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit "
+                        f"the parameter of shape {tuple(target.shape)} (layer {type(layer).__name__}): {exc}"
+                    ) from exc
+
+            loaded = counted_load(state, layer, name, copy)
+            if self.online and loaded >= layer.weight.numel():
                 self._quantize_online(layer)
 
         return load
 
-    def _materialize(self, layer: torch.nn.Module, name: str) -> Parameter:
-        meta = getattr(layer, name)
-        real = Parameter(
-            torch.empty(meta.shape, dtype=meta.dtype, device=layer._mx_load.load_device), requires_grad=False
-        )
-        set_weight_attrs(real, {k: v for k, v in vars(meta).items() if not k.startswith("_")})
-        layer.register_parameter(name, real)
-        return real
+    def _check_shared_smooth(self, layer: torch.nn.Module, smooth: torch.Tensor) -> None:
+        """Fused Q/K/V: one Smooth tensor per projection, and all three must agree."""
+        have = layer.mul_scale.data
+        if not torch.equal(have.to(smooth.dtype), smooth.to(have.device)):
+            raise ValueError(f"Fused Q/K/V must share the same Smooth tensor: {self.prefix}.mul_scale")
 
-    def _row_shard(self, layer: torch.nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full checkpoint tensor of a row-parallel layer (K is sharded)."""
-        st = layer._mx_load
-        lo, hi = st.k0 - st.front, st.k0 + st.k + st.back  # block-aligned element range
-        if name == "mul_scale":
-            return t[st.k0 : st.k0 + st.k]
-        if name == "weight" and not self.online:
-            return t[:, st.k0 // 2 : (st.k0 + st.k) // 2]
-        if name == "weight":
-            return _columns(t, lo, hi)
-        if name == "weight_scale":
-            return _columns(t, lo // MX_BLOCK_SIZE, hi // MX_BLOCK_SIZE)
-        if name == "weight_dual_scale":
-            return _columns(t, lo // DUAL_BLOCK_SIZE, hi // DUAL_BLOCK_SIZE)
-        raise ValueError(f"{self.prefix}.{name}: no row-parallel sharding rule for this tensor")
-
-    def _check_checkpoint_tensor(self, layer: torch.nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+    def _checked(self, state: MxLayerState, name: str, t: torch.Tensor) -> torch.Tensor:
         """Validate a checkpoint tensor against the format; returns it in the parameter's layout."""
-        where = f"{self.prefix}.{name}"
-        k_full = layer._mx_load.k_full
-        if self.online:
-            if name != "weight":
-                raise ValueError(f"{where}: online {self.method_name} loads only BF16 weights, got '{name}'")
-            if t.dtype == torch.uint8 or t.shape[-1] != k_full:
-                raise ValueError(
-                    f"{where}: online {self.method_name} expects a BF16/FP16/FP32 weight (N, {k_full}), got "
-                    f"{t.dtype} {tuple(t.shape)}; for a pre-quantized checkpoint declare "
-                    f"is_checkpoint_{'' if self.dual_scale else 'mxfp4_'}serialized"
-                )
-            return t
-        if name == "weight":
-            return _as_packed(t, k_full, where)
-        if name == "weight_scale":
-            if t.dtype == getattr(torch, "float8_e8m0fnu", None):
-                t = t.view(torch.uint8)
-            groups = -(-k_full // MX_BLOCK_SIZE)
-            if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[-1] != groups:
-                raise ValueError(
-                    f"{where}: expected uint8 E8M0 codes (N, {groups}), got {t.dtype} {tuple(t.shape)}"
-                )
-            return t
-        if name == "weight_dual_scale":
-            chunks = -(-k_full // DUAL_BLOCK_SIZE)
-            if not t.is_floating_point() or t.dim() != 3 or t.shape[1:] != (chunks, 1):
-                raise ValueError(
-                    f"{where}: expected float32 coarse scales (N, {chunks}, 1), got {t.dtype} {tuple(t.shape)}"
-                )
-            return t.float()
-        if name == "mul_scale":
-            if not t.is_floating_point() or t.dim() != 1 or t.shape[0] != k_full:
-                raise ValueError(
-                    f"{where}: expected a float32 Smooth vector ({k_full},), got {t.dtype} {tuple(t.shape)}"
-                )
-            bad = ~torch.isfinite(t) | (t <= 0)
-            if bool(bad.any()):
-                raise ValueError(
-                    f"{where}: Smooth scales must be finite and positive; {int(bad.sum())} of {t.numel()} "
-                    f"are not (first at index {int(bad.nonzero()[0])}: {t[bad][0].item()})"
-                )
-            return t.float()
+        where, k_full = f"{self.prefix}.{name}", state.geometry.k_full
+        if not self.online:
+            return checked_tensor(where, self.tensor(name), t, k_full)
+        if name != "weight":
+            raise ValueError(f"{where}: online {self.method_name} loads only BF16 weights, got '{name}'")
+        if t.dtype == torch.uint8 or t.shape[-1] != k_full:
+            raise ValueError(
+                f"{where}: online {self.method_name} expects a BF16/FP16/FP32 weight (N, {k_full}), got "
+                f"{t.dtype} {tuple(t.shape)}; for a pre-quantized checkpoint declare "
+                f"is_checkpoint_{self.serialized_infix}serialized"
+            )
         return t
 
     def _quantize_online(self, layer: torch.nn.Module) -> None:
-        """Quantize the completely loaded BF16 weight and drop it."""
-        weight = layer.weight.data
-        st = layer._mx_load
-        if self.dual_scale:
-            packed, scale, dual = self.backend.quantize_weight_dualscale(weight)
-        else:
-            packed, scale = self.backend.quantize_weight(weight, self.weight_scale_rule)
-            dual = None
-        if st.front or st.back:
-            packed = packed[:, st.front // 2 : (st.front + st.k) // 2].contiguous()
-        attrs = {"input_dim": 1, "output_dim": 0}
-        layer.register_parameter("weight", Parameter(packed, requires_grad=False))
-        set_weight_attrs(layer.weight, attrs)
-        layer.register_parameter("weight_scale", Parameter(scale, requires_grad=False))
-        set_weight_attrs(layer.weight_scale, attrs)
-        if dual is not None:
-            layer.register_parameter("weight_dual_scale", Parameter(dual.unsqueeze(-1), requires_grad=False))
-            set_weight_attrs(layer.weight_dual_scale, attrs)
-        del weight
+        """QUANTIZED: quantize the completely loaded BF16 weight into the checkpoint tensors, drop it,
+        and prepare the layer."""
+        state: MxLayerState = layer._mx
+        tensors = state.kernel.quantize_weight(layer.weight.data, state.spec)
+        front, k = state.geometry.front, state.geometry.k
+        if front or state.geometry.back:
+            tensors["weight"] = tensors["weight"][:, front // 2 : (front + k) // 2].contiguous()
+        for name, value in tensors.items():
+            layer.register_parameter(name, Parameter(value, requires_grad=False))
+            set_weight_attrs(getattr(layer, name), {"input_dim": 1, "output_dim": 0})
+        state.phase = Phase.QUANTIZED
         self._prepare(layer, smooth=None)
-        layer._already_called_process_weights_after_loading = True
 
-    # ------------------------------------------------------------------ after loading
+    # ------------------------------------------------------------------ LOADED -> PREPARED
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Check that every required tensor arrived, validate Smooth, let the backend prepare."""
-        if getattr(layer, "_already_called_process_weights_after_loading", False):
+        """Check that every required tensor arrived, validate Smooth, let the kernel prepare."""
+        state: MxLayerState = layer._mx
+        if state.phase is Phase.PREPARED:
             return
-        loaded = layer._mx_load.loaded
         if self.online:
-            got = loaded.get("weight", 0)
             raise ValueError(
                 f"{self.prefix}.weight: online {self.method_name} needs the complete BF16 weight, but "
-                f"{got} of {layer.weight.numel()} elements were loaded"
+                f"{state.loaded_count('weight')} of {layer.weight.numel()} elements were loaded"
             )
+        self._check_complete(layer, state)
+        smooth = self._validated_smooth(layer) if state.loaded_count("mul_scale") else None
         for name, param in list(layer.named_parameters(recurse=False)):
+            if (
+                name != "bias"
+                and getattr(param, "is_checkpoint_optional", False)
+                and not state.loaded_count(name)
+            ):
+                del layer._parameters[name]  # an absent optional Smooth, or another format's sentinel
+        state.phase = Phase.LOADED
+        self._prepare(layer, smooth)
+
+    def _check_complete(self, layer: torch.nn.Module, state: MxLayerState) -> None:
+        for name, param in layer.named_parameters(recurse=False):
             if name == "bias" or getattr(param, "is_checkpoint_optional", False):
                 continue
-            if loaded.get(name, 0) < param.numel():
+            if state.loaded_count(name) < param.numel():
                 raise ValueError(
                     f"{self.prefix}.{name}: required by offline {self.method_name} but "
-                    f"{'missing from' if not loaded.get(name) else 'incomplete in'} the checkpoint"
+                    f"{'missing from' if not state.loaded_count(name) else 'incomplete in'} the checkpoint"
                 )
-        nan_rows = (layer.weight_scale.data == NAN_CODE).any(dim=1)
+        nan_rows = (layer.weight_scale.data == E8M0_NAN).any(dim=1)
         if bool(nan_rows.any()):
             raise ValueError(
                 f"{self.prefix}.weight_scale: E8M0 code 0xFF (NaN) in {int(nan_rows.sum())} rows (first row "
                 f"{int(nan_rows.nonzero()[0])}); the checkpoint is corrupt"
             )
-        smooth = None
-        if loaded.get("mul_scale"):
-            smooth = self._validated_smooth(layer)
-        else:
-            del layer._parameters["mul_scale"]
-        self._drop_unused_params(layer)
-        self._prepare(layer, smooth)
-        layer._already_called_process_weights_after_loading = True
-
-    def _drop_unused_params(self, layer: torch.nn.Module) -> None:
-        """Remove placeholder parameters that are not checkpoint tensors of this format."""
 
     def _validated_smooth(self, layer: torch.nn.Module) -> torch.Tensor | None:
         """The Smooth multiplier in the activation dtype, or None when it is all ones."""
         smooth = layer.mul_scale.data
         cast = smooth.to(layer.orig_dtype)
-        bad = ~torch.isfinite(cast) | (cast <= 0)
+        bad = self.tensor("mul_scale").value_rule.bad(cast, torch)
         if bool(bad.any()):
             i = int(bad.nonzero()[0])
             raise ValueError(
@@ -443,20 +336,25 @@ class MxLinearMethod(LinearMethodBase):
         return cast
 
     def _prepare(self, layer: torch.nn.Module, smooth: torch.Tensor | None) -> None:
-        if smooth is not None:
-            layer.register_buffer("_mx_smooth", smooth, persistent=False)
-        spec = MxLayerSpec(
-            prefix=self.prefix,
-            dual_scale=self.dual_scale,
-            act_scale_rule=self.act_scale_rule,
-            in_features=layer.input_size_per_partition,
-            out_features=layer.output_size_per_partition,
-            has_smooth=smooth is not None,
-            k_pad_front=layer._mx_load.front,
-            k_pad_back=layer._mx_load.back,
-        )
-        self.backend.prepare(layer, spec)
-        layer._mx_spec = spec
+        """PREPARED: the kernel's tensors become the layer's child ``_mx_prepared``."""
+        state: MxLayerState = layer._mx
+        setattr(layer, PREPARED_ATTR, state.kernel.prepare(layer, state.spec, smooth))
+        state.phase = Phase.PREPARED
+        layer._already_called_process_weights_after_loading = True  # vLLM-Omni's loader skips the layer
+
+    def use_kernel(self, layer: torch.nn.Module, kernel) -> None:
+        """Run a prepared layer on another kernel of its format (e.g. to compare a vendor kernel with
+        the emulated one on the same loaded model): the checkpoint tensors are prepared again."""
+        state: MxLayerState = layer._mx
+        if state.phase is not Phase.PREPARED:
+            raise RuntimeError(
+                f"{self.prefix}: use_kernel() needs a prepared layer (phase {state.phase.value})"
+            )
+        kernel.check(state.spec)
+        old = getattr(layer, PREPARED_ATTR)
+        old.release(layer)
+        state.kernel = kernel
+        setattr(layer, PREPARED_ATTR, kernel.prepare(layer, state.spec, old.smooth))
 
     # ------------------------------------------------------------------ forward
 
@@ -465,54 +363,19 @@ class MxLinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         """``x @ W^T + bias`` with MXFP4 weights and MXFP4/MXFP8 activations."""
         if torch.compiler.is_compiling():
-            return torch.ops.vllm_omni_mxfp4.linear(x, bias, layer._mx_handle)
+            return torch.ops.vllm_omni_mxfp4.linear(x, bias, layer._mx.handle)
         return self.forward(layer, x, bias)
 
     def forward(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The eager forward (also the body of the custom op)."""
-        spec = layer._mx_spec
-        if spec is None:
+        state: MxLayerState = layer._mx
+        if state.phase is not Phase.PREPARED:
             raise RuntimeError(
                 f"{self.prefix}: process_weights_after_loading() has not run; load the model through "
                 "vLLM-Omni's loader or call it on every quantized layer after load_weights()"
             )
-        a8 = self.route.precision_now() is Precision.W4A8
-        if trace.TRACE is not None:
-            trace.TRACE.record(layer, self.method_name, self.prefix, a8, self.backend.name)
-        out = self.backend.linear(layer, spec, x.reshape(-1, x.shape[-1]), bias, a8=a8)
+        precision = self.route.precision_now()
+        trace.record(layer, self.method_name, self.prefix, precision, state.kernel.backend)
+        prepared = getattr(layer, PREPARED_ATTR)
+        out = state.kernel.apply(layer, prepared, x.reshape(-1, x.shape[-1]), bias, precision)
         return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def _as_packed(t: torch.Tensor, k_full: int, where: str) -> torch.Tensor:
-    """A checkpoint weight as packed E2M1 bytes: uint8 (N, K/2) as is, numeric FP4 (N, K) packed."""
-    if t.dtype == torch.uint8:
-        if t.dim() != 2 or t.shape[-1] != k_full // 2:
-            raise ValueError(
-                f"{where}: packed FP4 weight must be uint8 (N, {k_full // 2}), got {tuple(t.shape)}"
-            )
-        return t
-    if t.dtype not in _FLOATS or t.dim() != 2 or t.shape[-1] != k_full:
-        raise ValueError(
-            f"{where}: expected packed uint8 (N, {k_full // 2}) or numeric FP4 values (N, {k_full}) in a float "
-            f"dtype, got {t.dtype} {tuple(t.shape)}"
-        )
-    values = t.float()
-    codes = e2m1_encode(values)
-    off_grid = e2m1_decode(codes) != values
-    if bool(off_grid.any()):
-        first = values[off_grid][0].item()
-        raise ValueError(
-            f"{where}: numeric weight holds values that are not FP4 E2M1 numbers ({int(off_grid.sum())} of "
-            f"{values.numel()}, e.g. {first}); an offline checkpoint stores E2M1 values (or packed bytes) and "
-            "the E8M0 scales separately"
-        )
-    return pack_fp4(codes)
-
-
-def _columns(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Columns [lo, hi) of dim 1, zero-filled past the end (a shard's last block past K)."""
-    have = t[:, lo : min(hi, t.shape[1])]
-    if have.shape[1] == hi - lo:
-        return have
-    pad = torch.zeros((t.shape[0], hi - lo - have.shape[1], *t.shape[2:]), dtype=t.dtype, device=t.device)
-    return torch.cat((have, pad), dim=1)

@@ -24,8 +24,7 @@ def register() -> None:
     from vllm_omni.quantization.factory import register_quantization_override
 
     from .._logging import attach_to_vllm_logging
-    from .mxfp4 import Mxfp4QuantizationConfig
-    from .mxfp4_dualscale import Mxfp4DualScaleQuantizationConfig
+    from .quant_config import Mxfp4DualScaleQuantizationConfig, Mxfp4QuantizationConfig
 
     register_quantization_override("mxfp4", Mxfp4QuantizationConfig.from_kwargs)
     register_quantization_override("mxfp4_dualscale", Mxfp4DualScaleQuantizationConfig.from_kwargs)

@@ -1,5 +1,9 @@
 """vLLM ``QuantizationConfig`` wrappers around the pure configs of :mod:`vllm_omni_mxfp4.config`.
 
+Each wrapper names its Linear method class in its definition and owns the
+:class:`~vllm_omni_mxfp4.kernels.KernelSelector` of its layers: the config's ``backend`` is resolved
+and each kernel built once per config (one model component), and not pickled with it.
+
 They expose the attributes vLLM-Omni's own machinery reads (``ignored_layers``, the W4A8 lists,
 ``mxfp4_scale_alg``, ``require_smooth_scale``, the ``is_checkpoint_*_serialized`` flags): its
 per-expert checkpoint reconciliation (``resolve_quant_config_from_disk``) copies runtime policies
@@ -15,13 +19,17 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from ..config import Mxfp4Config, Mxfp4DualScaleConfig, Precision, QuantConfig
+from ..kernels import KernelSelector
+from .linear import MxLinearMethod
+from .mxfp4 import Mxfp4LinearMethod
+from .mxfp4_dualscale import Mxfp4DualScaleLinearMethod
 
 
 class MxQuantizationConfig(QuantizationConfig):
     """Base of the two vLLM-facing configs; ``self.config`` is the validated pure config."""
 
     config_class: ClassVar[type]
-    method_class: ClassVar[type]
+    method_class: ClassVar[type[MxLinearMethod]]
 
     def __init__(self, config: QuantConfig) -> None:
         super().__init__()
@@ -30,6 +38,19 @@ class MxQuantizationConfig(QuantizationConfig):
                 f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(config).__name__}"
             )
         self.config = config
+        self._kernels: KernelSelector | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_kernels"] = None  # built kernels hold vendor modules; each process selects its own
+        return state
+
+    @property
+    def kernels(self) -> KernelSelector:
+        """The kernels of this config's layers, selected when the first layer asks."""
+        if self._kernels is None:
+            self._kernels = KernelSelector(self.config.backend)
+        return self._kernels
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> MxQuantizationConfig:
@@ -64,7 +85,7 @@ class MxQuantizationConfig(QuantizationConfig):
         route = self.config.route(prefix)
         if route.precision is Precision.BF16:
             return UnquantizedLinearMethod()
-        return self.method_class(self.config, route, prefix)
+        return self.method_class(self.config, route, prefix, self.kernels)
 
     # Attributes vLLM-Omni reads (lists, as upstream keeps them).
     @property
@@ -88,6 +109,7 @@ class Mxfp4QuantizationConfig(MxQuantizationConfig):
     """``mxfp4``: single-scale W4A4 MXFP4 (OCP or UOS), online or offline, W4A8 fallback."""
 
     config_class = Mxfp4Config
+    method_class = Mxfp4LinearMethod
 
     @property
     def is_checkpoint_mxfp4_serialized(self) -> bool:
@@ -106,6 +128,7 @@ class Mxfp4DualScaleQuantizationConfig(MxQuantizationConfig):
     """``mxfp4_dualscale``: per-32 E8M0 + per-512 FP32 scales + Smooth, online or offline."""
 
     config_class = Mxfp4DualScaleConfig
+    method_class = Mxfp4DualScaleLinearMethod
 
     @property
     def is_checkpoint_serialized(self) -> bool:

@@ -8,7 +8,8 @@ Set ``VLLM_OMNI_MXFP4_TRACE_FILE=/path/trace.jsonl`` before starting the engine:
 
 ``step`` is the published denoising step (``null`` outside a denoising loop). Use it to check that
 a W4A8 step list switches exactly where intended, or which layers of which expert are quantized.
-Unset (the default), the trace costs one ``None`` check per call.
+The variable is read at each call (:func:`vllm_omni_mxfp4.envs.trace_file`), so it takes effect
+whenever it is set; unset (the default), a call costs one environment lookup.
 """
 
 from __future__ import annotations
@@ -17,30 +18,28 @@ import json
 import os
 import threading
 
+from .. import envs
+from ..config import Precision
 from ..steps import current_denoise_step
 
-TRACE_ENV = "VLLM_OMNI_MXFP4_TRACE_FILE"
+_LOCK = threading.Lock()
 
 
-class _Trace:
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.lock = threading.Lock()
-
-    def record(self, layer: object, method: str, prefix: str, a8: bool, backend: str) -> None:
-        line = json.dumps(
-            {
-                "pid": os.getpid(),
-                "layer": id(layer),
-                "method": method,
-                "prefix": prefix,
-                "step": current_denoise_step(),
-                "precision": "w4a8" if a8 else "w4a4",
-                "backend": backend,
-            }
-        )
-        with self.lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
-
-
-TRACE: _Trace | None = _Trace(os.environ[TRACE_ENV]) if os.environ.get(TRACE_ENV) else None
+def record(layer: object, method: str, prefix: str, precision: Precision, backend: str) -> None:
+    """Append one line for this call to the trace file, if tracing is on."""
+    path = envs.trace_file()
+    if path is None:
+        return
+    line = json.dumps(
+        {
+            "pid": os.getpid(),
+            "layer": id(layer),
+            "method": method,
+            "prefix": prefix,
+            "step": current_denoise_step(),
+            "precision": precision.value,
+            "backend": backend,
+        }
+    )
+    with _LOCK, open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")

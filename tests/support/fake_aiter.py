@@ -1,9 +1,9 @@
-"""A semantic fake of the AITER pieces the ROCm backend calls, built on the project's formats core.
+"""A semantic fake of the AITER pieces the ROCm kernel calls, built on the project's formats core.
 
 Modules: ``aiter`` (``QuantType``, ``get_hip_quant``, ``gemm_a4w4``), ``aiter.ops.shuffle``
 (``shuffle_weight``, ``shuffle_scale``), ``aiter.utility.fp4_utils`` (``e8m0_shuffle``) and, for
 AITER from 2026-06 on, ``aiter.utility.mx_types`` (``MX_DEFAULT_ROUND_MODE``). What each checks and
-computes (research/kernels.md §4, AITER's own source):
+computes (docs/kernels.md, AITER's own source):
 
 - ``get_hip_quant(QuantType.per_1x32)(x, shuffle=...)``: a contiguous 2-D bf16/fp16 ``x`` with
   ``n % 32 == 0``; FP4 E2M1 with the E8M0 rule of the AITER version being faked (``rceil`` or

@@ -1,6 +1,6 @@
-"""A semantic fake of the torch_npu MX ops the NPU backend calls, built on the project's formats core.
+"""A semantic fake of the torch_npu MX ops the NPU kernels call, built on the project's formats core.
 
-Each op checks its documented contract (research/kernels.md §2-§3, the torch_npu / aclnn docs) and
+Each op checks its documented contract (docs/kernels.md, the torch_npu / aclnn docs) and
 computes its documented result from the formats core, so a wrong argument, layout, transpose,
 padding or scale rule either raises here or changes the numbers:
 

@@ -1,4 +1,4 @@
-"""The ROCm backend: AITER's MXFP4 kernels on AMD Instinct MI355X (gfx950) (research/kernels.md §4).
+"""The ROCm kernel: AITER's MXFP4 kernels on AMD Instinct MI350X/MI355X (gfx950), ``mxfp4`` only.
 
 - Online weights and activations: AITER's HIP per-1x32 quantizer
   ``aiter.get_hip_quant(aiter.QuantType.per_1x32)`` (FP4 E2M1, one E8M0 scale per 32).
@@ -16,16 +16,15 @@
   argument) and the result cast to the caller's dtype, so fp16 and float32 callers see
   bf16-rounded GEMM results.
 
-The scale rule is AITER's, not the config's FLOOR: the HIP quantizer used round-half-up to a power
-of two ("aiter_legacy") up to May 2026 and RCEIL since AITER #3212 (2026-06). The backend records
-which one the installed AITER uses by quantizing three probe blocks (maxima 1.5, 1.75 and 6.5
-tell FLOOR, EVEN, RCEIL and the legacy rule apart) and cross-checks it with
-``aiter.utility.mx_types.MX_DEFAULT_ROUND_MODE`` where that exists. ``EmulatedBackend(
-mirror="rocm:<rule>")`` reproduces the same numerics on any device.
+The scale rule is AITER's, not the config's FLOOR; it changed between AITER versions (see
+``docs/kernels.md``). The kernel records which one the installed AITER uses by quantizing three
+probe blocks (maxima 1.5, 1.75 and 6.5 tell FLOOR, EVEN, RCEIL and the legacy rule apart) and
+cross-checks it with ``aiter.utility.mx_types.MX_DEFAULT_ROUND_MODE`` where that exists.
+:class:`~.emulated_rocm.EmulatedAiterSingle` reproduces the same numerics on any device.
 
-What AITER cannot run is refused with ``NotImplementedError`` naming the alternatives: UOS
-activations (``mxfp4_scale_alg=2``), W4A8 fallback, and ``mxfp4_dualscale``. The backend also
-refuses any GPU but gfx950 (``gemm_a4w4`` does not run on gfx942 / MI300).
+What AITER cannot run is declared in :data:`AITER_REFUSALS` (UOS activations, W4A8, DualScale)
+and refused with ``NotImplementedError`` naming the alternatives; any GPU but gfx950 is refused
+too (``gemm_a4w4`` does not run on gfx942 / MI300).
 """
 
 from __future__ import annotations
@@ -39,25 +38,15 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from ..formats import MX_BLOCK_SIZE
-from .base import (
-    MxBackend,
-    MxLayerSpec,
-    adopt_weight_storage,
-    aiter_refusal,
-    check_aiter_supported,
-    padded_weight,
-    restore_checkpoint_weight,
-    set_buffer,
-)
+from ..spec import MX_BLOCK, ceil_div, round_up
+from .base import Call, MxKernel, MxLayerSpec, Prepared, checked_scale, installed, padded_weight
 
 logger = logging.getLogger(__name__)
 
-WHO = "the ROCm backend (AITER)"
 #: AITER tile multiples of ``shuffle_weight(layout=(16, 16))`` on packed FP4: N % 16, (K/2) % 32.
 N_MULTIPLE = 16
 K_MULTIPLE = 64
-#: Probe block maxima and the E8M0 codes each rule gives them (research/kernels.md §1.2).
+#: Probe block maxima and the E8M0 codes each rule gives them (the scale-rule table of ``formats``).
 PROBE_AMAX = (1.5, 1.75, 6.5)
 RULE_BY_PROBE_CODES: dict[tuple[int, ...], str] = {
     (125, 125, 127): "floor",
@@ -66,6 +55,20 @@ RULE_BY_PROBE_CODES: dict[tuple[int, ...], str] = {
     (126, 126, 128): "aiter_legacy",
 }
 _ROUND_MODE_RULES = {"RoundUp": "rceil", "Even": "even", "RoundDown": "floor"}
+
+AITER_ALTERNATIVES = (
+    "Run it with backend 'emulated' (any device, the NPU numerics), or on an Ascend 950 NPU (backend 'npu')"
+)
+#: What AITER's MXFP4 kernels cannot run (for this kernel and the emulated one mirroring it).
+AITER_REFUSALS = {
+    "mxfp4_dualscale": "{where}mxfp4_dualscale is not supported by {who}: AITER has no dual-level (per-512 "
+    "FP32 + per-32 E8M0) GEMM. {alternatives}, or use single-scale 'mxfp4'.",
+    "scale_rule:uos": "{where}mxfp4_scale_alg=2 (UOS activations, dst_type_max=7.25) is not supported by "
+    "{who}: AITER's per-1x32 quantizer has no UOS rule. {alternatives}, or use mxfp4_scale_alg=0.",
+    "w4a8": "{where}W4A8 fallback (MXFP8 activations, w4a8_fallback_layers / w4a8_fallback_steps) is not "
+    "supported by {who}: AITER's gemm_a4w4 takes FP4 activations only. {alternatives}, or list the layer "
+    "in ignored_layers (BF16) instead.",
+}
 
 
 def gpu_arch() -> str | None:
@@ -92,7 +95,7 @@ def aiter_rule_from_metadata() -> tuple[str | None, str]:
     try:
         mx_types = importlib.import_module("aiter.utility.mx_types")
     except ImportError:
-        return "aiter_legacy", "aiter.utility.mx_types is absent (AITER before the 2026-06 RoundUp default)"
+        return "aiter_legacy", "aiter.utility.mx_types is absent (AITER before the RoundUp default)"
     mode = getattr(mx_types, "MX_DEFAULT_ROUND_MODE", None)
     if mode is None:
         return None, "aiter.utility.mx_types has no MX_DEFAULT_ROUND_MODE"
@@ -119,7 +122,7 @@ def _gemm_a4w4(aiter: ModuleType, a, b, a_scale, b_scale) -> torch.Tensor:
     if not takes_out:
         return aiter.gemm_a4w4(a, b, a_scale, b_scale, dtype=torch.bfloat16, bpreshuffle=True)
     m = a.shape[0]
-    out = torch.empty((-(-m // 32) * 32, b.shape[0]), dtype=torch.bfloat16, device=a.device)
+    out = torch.empty((round_up(m, 32), b.shape[0]), dtype=torch.bfloat16, device=a.device)
     kwargs = {"bpreshuffle": True} if knows_preshuffle else {}
     aiter.gemm_a4w4(a, b, a_scale, b_scale, out, **kwargs)
     return out[:m]
@@ -144,14 +147,17 @@ def _rocm_mxfp4_gemm_fake(
     return x.new_empty((x.shape[0], out_features), dtype=torch.bfloat16)
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-class RocmBackend(MxBackend):
+class AiterSingle(MxKernel):
     """Single-scale MXFP4 Linears (online or offline) on gfx950 through AITER."""
 
-    name = "rocm"
+    format = "mxfp4"
+    backend = "rocm"
+    numerics = "rocm"
+    a4_rules = ("floor",)
+    refusals = AITER_REFUSALS
+    alternatives = AITER_ALTERNATIVES
+    half_input = "after_smooth"  # AITER quantizes bf16/fp16
+    pad_input = True
 
     def __init__(self) -> None:
         arch = gpu_arch()
@@ -165,25 +171,37 @@ class RocmBackend(MxBackend):
         self.arch = arch
         self.aiter = import_aiter()
         self._quant = self.aiter.get_hip_quant(self.aiter.QuantType.per_1x32)
-        self._shuffle_weight = importlib.import_module("aiter.ops.shuffle").shuffle_weight
-        self._e8m0_shuffle = importlib.import_module("aiter.utility.fp4_utils").e8m0_shuffle
+        self.shuffle_weight = importlib.import_module("aiter.ops.shuffle").shuffle_weight
+        self.e8m0_shuffle = importlib.import_module("aiter.utility.fp4_utils").e8m0_shuffle
         self.metadata_rule, self.metadata_reason = aiter_rule_from_metadata()
         self._rule: str | None = None
+
+    @classmethod
+    def is_supported(cls) -> tuple[bool, str]:
+        arch = gpu_arch()
+        if arch is None:
+            return False, "no ROCm GPU"
+        if "gfx950" not in arch:
+            return False, f"the ROCm GPU is {arch}, not gfx950 (MI350X/MI355X)"
+        if not installed("aiter"):
+            return False, "ROCm gfx950 GPU present but AITER is not installed"
+        return True, f"AITER is installed and the GPU is {arch}"
+
+    @property
+    def who(self) -> str:
+        return "the ROCm backend (AITER)"
 
     def describe(self) -> str:
         rule = self._rule or f"not probed yet; {self.metadata_reason}"
         return f"rocm (AITER on {self.arch}; scale rule {rule})"
 
-    def check_supported(self, prefix: str, *, dual_scale: bool, scale_rule: str, w4a8: bool) -> None:
-        check_aiter_supported(prefix, dual_scale=dual_scale, scale_rule=scale_rule, w4a8=w4a8, who=WHO)
-
     def scale_rule(self, device: torch.device) -> str:
         """The E8M0 rule of the installed AITER's per-1x32 quantizer, probed once on ``device``."""
         if self._rule is not None:
             return self._rule
-        probe = torch.zeros(1, MX_BLOCK_SIZE * len(PROBE_AMAX), dtype=torch.bfloat16, device=device)
+        probe = torch.zeros(1, MX_BLOCK * len(PROBE_AMAX), dtype=torch.bfloat16, device=device)
         for i, amax in enumerate(PROBE_AMAX):
-            probe[0, i * MX_BLOCK_SIZE] = amax
+            probe[0, i * MX_BLOCK] = amax
         _, scale = self._quant(probe, shuffle=False)
         codes = tuple(int(c) for c in scale.view(torch.uint8)[0, : len(PROBE_AMAX)].tolist())
         rule = RULE_BY_PROBE_CODES.get(codes)
@@ -201,7 +219,7 @@ class RocmBackend(MxBackend):
             )
         logger.info(
             "vllm-omni-mxfp4: AITER per-1x32 MXFP4 quantizer uses scale rule %r (probe codes %s; %s). Online "
-            "weights and activations follow it, not FLOOR; EmulatedBackend(mirror='rocm:%s') reproduces it.",
+            "weights and activations follow it, not FLOOR; VLLM_OMNI_MXFP4_EMULATED_MIRROR=rocm:%s reproduces it.",
             rule,
             codes,
             self.metadata_reason,
@@ -210,75 +228,39 @@ class RocmBackend(MxBackend):
         self._rule = rule
         return rule
 
-    # ------------------------------------------------------------------ weights
-
-    def quantize_weight(self, weight: torch.Tensor, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-        check_aiter_supported("", dual_scale=False, scale_rule=scale_rule, w4a8=False, who=WHO)
+    def _quantize_weight(self, weight: torch.Tensor, spec: MxLayerSpec) -> dict[str, torch.Tensor]:
         if weight.dtype not in (torch.bfloat16, torch.float16):
             weight = weight.to(torch.bfloat16)  # AITER's HIP quantizer takes bf16/fp16
         self.scale_rule(weight.device)
         k = weight.shape[-1]
-        padded = F.pad(weight, (0, _round_up(k, MX_BLOCK_SIZE) - k)).contiguous()
+        padded = F.pad(weight, (0, round_up(k, MX_BLOCK) - k)).contiguous()
         data, scale = self._quant(padded, shuffle=False)
         data = data.view(torch.uint8)[:, : k // 2].contiguous()
-        scale = scale.view(torch.uint8)[:, : -(-k // MX_BLOCK_SIZE)].contiguous()
-        return data, scale
+        scale = scale.view(torch.uint8)[:, : ceil_div(k, MX_BLOCK)].contiguous()
+        return {"weight": data, "weight_scale": scale}
 
-    def quantize_weight_dualscale(
-        self, weight: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        raise aiter_refusal("", dual_scale=True, scale_rule="floor", w4a8=False, who=WHO)
-
-    def prepare(self, layer: torch.nn.Module, spec: MxLayerSpec) -> None:
-        check_aiter_supported(
-            spec.prefix, dual_scale=spec.dual_scale, scale_rule=spec.act_scale_rule, w4a8=False, who=WHO
-        )
-        restore_checkpoint_weight(layer)
-        n = spec.out_features
-        k_total = spec.k_pad_front + spec.in_features + spec.k_pad_back
-        groups = -(-k_total // MX_BLOCK_SIZE)
-        scale = layer.weight_scale
-        if scale.dtype != torch.uint8 or tuple(scale.shape) != (n, groups):
-            raise ValueError(
-                f"{spec.prefix}.weight_scale: expected uint8 E8M0 codes (N, {groups}) = ({n}, {groups}), got "
-                f"{scale.dtype} {tuple(scale.shape)}"
-            )
+    def _prepare(self, layer: torch.nn.Module, spec: MxLayerSpec, smooth: torch.Tensor | None) -> Prepared:
+        n, k_total = spec.out_features, spec.k_padded
+        scale = checked_scale(layer, spec)
         weight = padded_weight(layer, spec)
         self.scale_rule(weight.device)
-        k_aligned, n_aligned = _round_up(k_total, K_MULTIPLE), _round_up(n, N_MULTIPLE)
+        k_aligned, n_aligned = round_up(k_total, K_MULTIPLE), round_up(n, N_MULTIPLE)
         weight = F.pad(weight, (0, (k_aligned - k_total) // 2, 0, n_aligned - n)).contiguous()
-        scale = F.pad(scale, (0, k_aligned // MX_BLOCK_SIZE - groups, 0, n_aligned - n)).contiguous()
-        shuffled = self._shuffle_weight(weight.view(torch.float4_e2m1fn_x2), layout=(16, 16))
-        if tuple(shuffled.shape) == tuple(layer.weight.shape):
-            adopt_weight_storage(layer, shuffled.view(torch.uint8), unshuffle_weight)
-        set_buffer(layer, "_mx_rocm_weight", shuffled)
-        set_buffer(layer, "_mx_rocm_scale", self._e8m0_shuffle(scale.view(torch.float8_e8m0fnu)))
-        layer._mx_rocm_k_extra = k_aligned - k_total
-
-    # ------------------------------------------------------------------ forward
-
-    def linear(
-        self,
-        layer: torch.nn.Module,
-        spec: MxLayerSpec,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        *,
-        a8: bool,
-    ) -> torch.Tensor:
-        if a8:
-            check_aiter_supported(spec.prefix, dual_scale=False, scale_rule="floor", w4a8=True, who=WHO)
-        out_dtype = x.dtype
-        if spec.has_smooth:
-            x = x * layer._mx_smooth.to(x.dtype)
-        if x.dtype not in (torch.bfloat16, torch.float16):
-            x = x.to(torch.bfloat16)
-        front, back = spec.k_pad_front, spec.k_pad_back + layer._mx_rocm_k_extra
-        if front or back:
-            x = F.pad(x, (front, back))
-        out = torch.ops.vllm_omni_mxfp4.rocm_mxfp4_gemm(
-            x.contiguous(), layer._mx_rocm_weight, layer._mx_rocm_scale, spec.out_features
+        scale = F.pad(scale, (0, k_aligned // MX_BLOCK - scale.shape[1], 0, n_aligned - n)).contiguous()
+        shuffled = self.shuffle_weight(weight.view(torch.float4_e2m1fn_x2), layout=(16, 16))
+        prepared = Prepared(
+            spec, smooth, weight=shuffled, scale=self.e8m0_shuffle(scale.view(torch.float8_e8m0fnu))
         )
-        if bias is not None:
-            out = out.float() + bias.float()
-        return out.to(out_dtype)
+        if tuple(shuffled.shape) == tuple(layer.weight.shape):
+            prepared.adopt_weight(layer, shuffled.view(torch.uint8), unshuffle_weight)
+        prepared.k_extra = k_aligned - k_total
+        return prepared
+
+    def _matmul(self, x: torch.Tensor, call: Call) -> torch.Tensor:
+        prepared = call.prepared
+        out = torch.ops.vllm_omni_mxfp4.rocm_mxfp4_gemm(
+            x.contiguous(), prepared.weight, prepared.scale, call.spec.out_features
+        )
+        if call.bias is not None:
+            out = out.float() + call.bias.float()
+        return out

@@ -1,0 +1,205 @@
+"""Loading a quantized Linear's checkpoint tensors: checks, conversion, sharding, completeness.
+
+Every parameter of a quantized Linear gets a loader wrapper (:func:`make_loader`) that
+
+- checks the checkpoint tensor against its record in :mod:`vllm_omni_mxfp4.spec` (shape from the
+  table, value rule; errors name the tensor, what was expected and the fix) and converts numeric
+  FP4 weights to packed bytes (:func:`checked_tensor`);
+- slices a row-parallel shard's K range (:class:`~.state.ShardGeometry`, ``CheckpointTensor.k_slice``)
+  or hands the tensor to vLLM's own loader (column shards, fused Q/K/V pieces);
+- counts the elements written (:class:`CopyCounter`), so that the layer knows when a parameter is
+  complete: fused Q/K/V arrive in three pieces, and an online weight is quantized the moment its
+  last element arrives.
+
+vLLM has a similar counter (``model_loader/reload/meta.CopyCounter``), but it counts every
+``copy_`` of a loader call, not the copies into one parameter; ``copy_numel_counter`` is not in
+the installed vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import Parameter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..formats import e2m1_decode, e2m1_encode, pack_fp4
+from ..spec import CheckpointTensor
+from .state import MxLayerState, Phase, ShardGeometry
+
+logger = logging.getLogger(__name__)
+
+_FLOATS = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+
+
+@dataclass(frozen=True)
+class _Accept:
+    """How the loader accepts one checkpoint tensor beyond its table record: which dtypes, the
+    conversion into the parameter's dtype, the shape error, and a value check made at load."""
+
+    accepts: Callable[[torch.Tensor], bool]
+    convert: Callable[[torch.Tensor], torch.Tensor]
+    shape_error: str
+    value_error: str | None = None
+
+
+_ACCEPT: dict[str, _Accept] = {
+    "weight_scale": _Accept(
+        lambda t: t.dtype == torch.uint8,
+        lambda t: t,
+        "{where}: expected uint8 E8M0 codes (N, {shape}), got {got}",
+    ),
+    "weight_dual_scale": _Accept(
+        torch.Tensor.is_floating_point,
+        torch.Tensor.float,
+        "{where}: expected float32 coarse scales (N, {shape}), got {got}",
+    ),
+    "mul_scale": _Accept(
+        torch.Tensor.is_floating_point,
+        torch.Tensor.float,
+        "{where}: expected a float32 Smooth vector ({shape},), got {got}",
+        "{where}: Smooth scales must be finite and positive; {count} of {total} are not (first at index "
+        "{index}: {value})",
+    ),
+}
+
+
+class CopyCounter(TorchDispatchMode):
+    """Counts the elements copied into one storage while a loader runs."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        super().__init__()
+        self.ptr = target.untyped_storage().data_ptr()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and args[0].untyped_storage().data_ptr() == self.ptr:
+            self.count += args[0].numel()
+        return func(*args, **(kwargs or {}))
+
+
+def shard_geometry(
+    prefix: str, k: int, k_full: int, *, tp_rank: int, tp_size: int, block: int
+) -> ShardGeometry:
+    """The geometry of rank ``tp_rank``'s K shard of a row-parallel layer (``tp_size`` 1: unsharded)."""
+    if tp_size <= 1:
+        return ShardGeometry(k_full=k_full, k=k)
+    k0 = tp_rank * k
+    front, back = k0 % block, -(k0 + k) % block
+    if front or back:
+        logger.info(
+            "%s: K=%d split over TP=%d gives %d per rank, not a multiple of %d; rank %d pads %d+%d zero "
+            "inputs to line its blocks up with the checkpoint's",
+            prefix,
+            k_full,
+            tp_size,
+            k,
+            block,
+            tp_rank,
+            front,
+            back,
+        )
+    return ShardGeometry(k_full=k_full, k=k, k0=k0, front=front, back=back, sharded=True)
+
+
+def row_shard(geometry: ShardGeometry, tensor: CheckpointTensor | None, t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a full checkpoint tensor of a row-parallel layer (``tensor`` None: the
+    online BF16 weight), zero-filled past the end (a shard's last block past K)."""
+    lo, hi = geometry.k_range(tensor)
+    axis, (start, stop) = (1, (lo, hi)) if tensor is None else (tensor.k_axis, tensor.k_slice(lo, hi))
+    have = t.narrow(axis, start, max(0, min(stop, t.shape[axis]) - start))
+    if have.shape[axis] == stop - start:
+        return have
+    shape = list(t.shape)
+    shape[axis] = stop - start - have.shape[axis]
+    return torch.cat((have, t.new_zeros(shape)), dim=axis)
+
+
+def checked_tensor(where: str, tensor: CheckpointTensor, t: torch.Tensor, k_full: int) -> torch.Tensor:
+    """A checkpoint tensor checked against ``tensor``'s record for a checkpoint K of ``k_full``
+    (any N: fused layers load theirs in pieces), in the parameter's layout (packed FP4 bytes, uint8
+    E8M0 codes, float32 scales)."""
+    if tensor.name == "weight":
+        return as_packed(t, k_full, where)
+    rule = _ACCEPT[tensor.name]
+    if tensor.name == "weight_scale" and t.dtype == getattr(torch, "float8_e8m0fnu", None):
+        t = t.view(torch.uint8)
+    has_n = tensor.shape(1, k_full) != tensor.shape(2, k_full)
+    want = tensor.shape(t.shape[0] if has_n and t.dim() else 0, k_full)
+    if not rule.accepts(t) or tuple(t.shape) != want:
+        shape = ", ".join(map(str, want[1:])) if has_n else str(want[0])
+        raise ValueError(rule.shape_error.format(where=where, shape=shape, got=f"{t.dtype} {tuple(t.shape)}"))
+    if rule.value_error is not None:
+        bad = tensor.value_rule.bad(t, torch)
+        if bool(bad.any()):
+            index = int(bad.nonzero()[0])
+            raise ValueError(
+                rule.value_error.format(
+                    where=where, count=int(bad.sum()), total=t.numel(), index=index, value=t[index].item()
+                )
+            )
+    return rule.convert(t)
+
+
+def as_packed(t: torch.Tensor, k_full: int, where: str) -> torch.Tensor:
+    """A checkpoint weight as packed E2M1 bytes: uint8 (N, K/2) as is, numeric FP4 (N, K) packed."""
+    if t.dtype == torch.uint8:
+        if t.dim() != 2 or t.shape[-1] != k_full // 2:
+            raise ValueError(
+                f"{where}: packed FP4 weight must be uint8 (N, {k_full // 2}), got {tuple(t.shape)}"
+            )
+        return t
+    if t.dtype not in _FLOATS or t.dim() != 2 or t.shape[-1] != k_full:
+        raise ValueError(
+            f"{where}: expected packed uint8 (N, {k_full // 2}) or numeric FP4 values (N, {k_full}) in a float "
+            f"dtype, got {t.dtype} {tuple(t.shape)}"
+        )
+    values = t.float()
+    codes = e2m1_encode(values)
+    off_grid = e2m1_decode(codes) != values
+    if bool(off_grid.any()):
+        first = values[off_grid][0].item()
+        raise ValueError(
+            f"{where}: numeric weight holds values that are not FP4 E2M1 numbers ({int(off_grid.sum())} of "
+            f"{values.numel()}, e.g. {first}); an offline checkpoint stores E2M1 values (or packed bytes) and "
+            "the E8M0 scales separately"
+        )
+    return pack_fp4(codes)
+
+
+def materialize(layer: torch.nn.Module, name: str, device: torch.device) -> Parameter:
+    """Replace the meta-device parameter ``name`` (an online weight) by real memory on ``device``."""
+    meta = getattr(layer, name)
+    real = Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=device), requires_grad=False)
+    for key, value in vars(meta).items():
+        if not key.startswith("_"):
+            setattr(real, key, value)
+    layer.register_parameter(name, real)
+    return real
+
+
+def counted_load(
+    state: MxLayerState, layer: torch.nn.Module, name: str, load: Callable[[torch.Tensor], Any]
+) -> int:
+    """Run ``load(target)`` on parameter ``name``, count the elements it wrote; the new total."""
+    target = getattr(layer, name)
+    if target.is_meta:
+        target = materialize(layer, name, state.load_device)
+    counter = CopyCounter(target)
+    with counter:
+        load(target)
+    state.loaded[name] = state.loaded_count(name) + counter.count
+    if state.phase is Phase.CREATED:
+        state.phase = Phase.LOADING
+    return state.loaded[name]
