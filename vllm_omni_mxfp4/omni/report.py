@@ -75,14 +75,16 @@ def transformer_memory(module: Any) -> dict[str, int]:
       ``state_dict`` (parameters and persistent buffers: packed FP4 weights, scales, Smooth vectors,
       BF16 layers, norms, biases), plus BF16 Linear weights held by vLLM's CPU GEMM kernels
       (``kernel_bytes``, included in ``weight_bytes``);
-    - ``backend_bytes``: working buffers an MXFP4 backend added (non-persistent ``_mx*`` buffers, e.g.
-      the emulated backend's cache of dequantized weights, the NPU/ROCm kernel layouts).
+    - ``backend_bytes``: working buffers an MXFP4 kernel added (non-persistent buffers of each
+      layer's ``_mx_prepared`` module, e.g. the emulated kernels' cache of dequantized weights, the
+      NPU/ROCm kernel layouts).
     """
     seen: set[tuple[str, int]] = set()
     state = _distinct_bytes(module.state_dict(keep_vars=True).values(), seen)
     kernel = sum(_kernel_held_bytes(sub) for sub in module.modules())
     backend = _distinct_bytes(
-        (buf for name, buf in module.named_buffers() if name.rsplit(".", 1)[-1].startswith("_mx")), seen
+        (buf for name, buf in module.named_buffers() if any(p.startswith("_mx") for p in name.split("."))),
+        seen,
     )
     return {"weight_bytes": state + kernel, "kernel_bytes": kernel, "backend_bytes": backend}
 
@@ -96,7 +98,7 @@ def _linear_entry(name: str, module: Any) -> dict[str, Any]:
         route = method.route
         entry.update(
             method=method_name,
-            backend=method.backend.name,
+            backend=method.backend,
             mode="online" if method.online else "offline",
             act_scale_rule=method.act_scale_rule,
             precision=route.precision.value,
