@@ -80,7 +80,12 @@ class Prepared(torch.nn.Module):
             self.register_buffer(name, tensor, persistent=False)
         self.register_state_dict_post_hook(_checkpoint_weight_hook)
 
-    def adopt_weight(self, layer: torch.nn.Module, device_weight: torch.Tensor, to_checkpoint) -> None:
+    def adopt_weight(
+        self,
+        layer: torch.nn.Module,
+        device_weight: torch.Tensor,
+        to_checkpoint: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
         """Make ``layer.weight`` hold ``device_weight`` (a kernel layout of the same shape).
 
         The packed checkpoint bytes are released instead of living next to their device copy.

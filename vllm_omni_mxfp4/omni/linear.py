@@ -31,7 +31,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinea
 from vllm.model_executor.utils import set_weight_attrs
 
 from ..config import LayerRoute, Precision, QuantConfig
-from ..kernels import KernelSelector, MxLayerSpec
+from ..kernels import KernelSelector, MxKernel, MxLayerSpec
 from ..spec import E8M0_NAN, FORMATS, CheckpointTensor, checkpoint_tensors
 from . import trace
 from .loading import checked_tensor, counted_load, row_shard, shard_geometry
@@ -342,7 +342,7 @@ class MxLinearMethod(LinearMethodBase):
         state.phase = Phase.PREPARED
         layer._already_called_process_weights_after_loading = True  # vLLM-Omni's loader skips the layer
 
-    def use_kernel(self, layer: torch.nn.Module, kernel) -> None:
+    def use_kernel(self, layer: torch.nn.Module, kernel: MxKernel) -> None:
         """Run a prepared layer on another kernel of its format (e.g. to compare a vendor kernel with
         the emulated one on the same loaded model): the checkpoint tensors are prepared again."""
         state: MxLayerState = layer._mx
