@@ -46,6 +46,12 @@ E4M3_MAX = 448.0
 UOS_DST_TYPE_MAX = 7.25
 """``dst_type_max`` of the NPU's UOS scale rule (``scale_alg=2``) for FP4 E2M1."""
 
+NVFP4_BLOCK = 16
+"""Elements that share one FP8 E4M3 scale in NVFP4 (the source format of requantization)."""
+
+NVFP4_SCALE_TILE = (128, 4)
+"""(rows, scale columns) of one tile of the cuBLAS 2-D blocked ("swizzled") NVFP4 scale layout."""
+
 
 FORMATS = ("mxfp4", "mxfp4_dualscale")
 """The quantized Linear formats (one vLLM-Omni quantization method each)."""
