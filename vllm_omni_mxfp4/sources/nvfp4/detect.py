@@ -140,8 +140,8 @@ def _producer_config(model_dir: Path, metadata: Mapping[str, str]) -> ProducerCo
 def detect_nvfp4(model_dir: str | Path) -> Nvfp4Checkpoint | None:
     """Describe the NVFP4 checkpoint in ``model_dir`` (a diffusers component or a single-file dir).
 
-    Returns None when nothing there declares NVFP4 (no NVFP4 config, no Comfy NVFP4 marker), so a
-    loader can fall through to its other formats. Raises :class:`~.records.SourceError` for an
+    Returns None when nothing there declares NVFP4 (no NVFP4 config; no Comfy marker, or FP8 ones
+    only), so a loader can fall through to its other formats. Raises :class:`~.records.SourceError` for an
     NVFP4 checkpoint with a layer we would not reproduce exactly.
     """
     model_dir = Path(model_dir)
@@ -151,8 +151,8 @@ def detect_nvfp4(model_dir: str | Path) -> Nvfp4Checkpoint | None:
     if not markers and config is None:
         markers = _header_markers(metadata)
     if markers:
-        if not any(m.get("format") == "nvfp4" for m in markers.values()):
-            return None
+        if all(m.get("format") in COMFY_DEQUANT_FORMATS for m in markers.values()):
+            return None  # an FP8-only Comfy file is not an NVFP4 source
         excludes = config.excludes if config else ()
         config = ProducerConfig(
             "comfy", "Comfy .comfy_quant markers", "NVFP4", excludes=excludes, **COMFY_CONVENTIONS

@@ -1,0 +1,181 @@
+"""NVFP4 -> MXFP4 requantization: rule codes against an independent reference, ``mse`` never worse
+than the vendor rules, lossless round trips (ModelOpt's own MXFP4 -> NVFP4 cast, and constructed
+power-of-two blocks), the layout of ``quantize_mx``, and the error report."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.nvfp4 import reference
+from vllm_omni_mxfp4.formats import dequantize_mx, e2m1_encode, pack_fp4, quantize_mx
+from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight, dequantize_nvfp4
+from vllm_omni_mxfp4.formats.requant import REQUANT_RULES, encode_e2m1, requantize_nvfp4
+
+FIXTURES = Path(__file__).parent / "fixtures" / "modelopt"
+RULES = [r for r in REQUANT_RULES if r != "mse"]
+
+
+def random_weight(n: int, k: int, seed: int, g: float = 0.0123) -> Nvfp4Weight:
+    """Random NVFP4 with E4M3 scales spread over many octaves (so blocks reach every rule's edge)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.exp2(torch.rand(n, k // 16, generator=gen) * 14 - 7).to(torch.float8_e4m3fn)
+    return Nvfp4Weight(codes, scales, torch.tensor(g, dtype=torch.float32))
+
+
+def rows_of_blocks(x: torch.Tensor) -> list[list[float]]:
+    """The 32-element blocks of float32 rows, as Python lists."""
+    return [blk.tolist() for blk in x.reshape(-1, 32)]
+
+
+@pytest.mark.parametrize("rule", [*RULES, "mse"])
+def test_scale_codes_and_elements_equal_the_reference(rule: str) -> None:
+    w = random_weight(16, 128, seed=1)
+    result = requantize_nvfp4(w, rule)
+    ref = dequantize_nvfp4(w)
+    codes, elems = [], []
+    for block in rows_of_blocks(ref):
+        c = reference.mse_code(block) if rule == "mse" else reference.RULE_CODES[rule](max(map(abs, block)))
+        codes.append(c)
+        elems.extend(reference.mx_codes(block, c))
+    assert result.scale.flatten().tolist() == codes
+    assert torch.equal(result.data, pack_fp4(torch.tensor(elems, dtype=torch.uint8).reshape(16, 128)))
+
+
+def test_rule_codes_on_golden_block_maxima() -> None:
+    """Block maxima at each rule's edges (codes are biased E8M0; 6.0 * 2^k is where floor and rceil agree)."""
+    golden = {
+        6.0: {"floor": 127, "even": 127, "rceil": 127},
+        7.0: {"floor": 127, "even": 128, "rceil": 128},
+        4.0: {"floor": 127, "even": 127, "rceil": 127},
+        3.9: {"floor": 126, "even": 127, "rceil": 127},
+        3.4: {"floor": 126, "even": 126, "rceil": 127},
+    }
+    for amax, want in golden.items():
+        block = torch.zeros(1, 32)
+        block[0, 5] = amax
+        for rule, code in want.items():
+            assert int(quantize_mx(block, scale_rule=rule)[1]) == code, (amax, rule)
+            assert reference.RULE_CODES[rule](amax) == code, (amax, rule)
+
+
+def test_mse_is_never_worse_than_any_rule_on_any_block() -> None:
+    w = random_weight(64, 512, seed=2)
+    ref = dequantize_nvfp4(w).double()
+    errors = {}
+    for rule in REQUANT_RULES:
+        r = requantize_nvfp4(w, rule)
+        errors[rule] = ((dequantize_mx(r.data, r.scale).double() - ref) ** 2).reshape(-1, 32).sum(-1)
+    for rule in RULES:
+        assert bool((errors["mse"] <= errors[rule]).all()), rule
+    assert bool((errors["mse"] < errors["floor"]).any()), "mse should beat floor somewhere on random data"
+
+
+def test_mse_blocks_that_keep_the_floor_exponent_have_quantize_mx_floor_bytes() -> None:
+    w = random_weight(32, 256, seed=3)
+    ref = dequantize_nvfp4(w)
+    mse = requantize_nvfp4(w, "mse")
+    floor_data, floor_scale = quantize_mx(ref, scale_rule="floor")
+    same_code = (mse.scale == floor_scale).repeat_interleave(16, dim=1)
+    assert bool(same_code.any())
+    assert torch.equal(mse.data[same_code], floor_data[same_code])
+
+
+@pytest.mark.parametrize("rule", REQUANT_RULES)
+def test_modelopt_lossless_cast_round_trips_to_the_original_mxfp4_bytes(rule: str) -> None:
+    """ModelOpt's ``quantize_mxfp4_to_nvfp4_lossless`` of MXFP4 bytes requantizes to those bytes."""
+    f = load_file(FIXTURES / "lossless.safetensors")
+    w = Nvfp4Weight(f["weight"], f["weight_scale"], f["weight_scale_2"].reshape(()))
+    result = requantize_nvfp4(w, rule)
+    assert torch.equal(result.scale, f["mx_scale"])
+    assert torch.equal(result.data, f["mx_weight"])
+    assert result.error.exact_blocks == result.error.total_blocks == f["mx_scale"].numel()
+    assert result.error.rel_rms == 0.0 and result.error.max_abs == 0.0
+
+
+def constructed_lossless(seed: int) -> tuple[Nvfp4Weight, torch.Tensor]:
+    """Blocks whose two 16-halves have power-of-two scales one octave apart, the lower half using
+    only codes that stay on the grid one octave up ({0, 1, 2, 3, 4, 6}): exact in MXFP4 (docs/nvfp4.md)."""
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 16, 256
+    coarse = torch.tensor([0, 2, 4, 5, 6, 7, 8, 10, 12, 13, 14, 15], dtype=torch.uint8)  # |q| != 0.5, 1.5
+    any_code = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    codes = torch.where(
+        torch.arange(k) % 32 < 16, coarse[torch.randint(0, 12, (n, k), generator=gen)], any_code
+    )
+    octave = torch.randint(-6, 6, (n, k // 32), generator=gen).repeat_interleave(2, dim=1)
+    octave[:, 0::2] -= 1  # the lower half's scale is one octave below the upper's
+    scales = torch.exp2(octave.float()).to(torch.float8_e4m3fn)
+    w = Nvfp4Weight(pack_fp4(codes), scales, torch.tensor(2.0**-3))
+    return w, dequantize_nvfp4(w)
+
+
+@pytest.mark.parametrize("rule", REQUANT_RULES)
+def test_power_of_two_halves_requantize_exactly(rule: str) -> None:
+    w, values = constructed_lossless(seed=4)
+    result = requantize_nvfp4(w, rule)
+    assert result.error.exact_blocks == result.error.total_blocks
+    assert torch.equal(dequantize_mx(result.data, result.scale), values)
+
+
+def test_requantized_layout_is_quantize_mx_layout() -> None:
+    w = random_weight(8, 96, seed=5)  # K = 96: three MX blocks, six NVFP4 groups
+    for rule in RULES:
+        result = requantize_nvfp4(w, rule)
+        data, scale = quantize_mx(dequantize_nvfp4(w), scale_rule=rule)
+        assert result.data.shape == (8, 48) and result.scale.shape == (8, 3)
+        assert torch.equal(result.data, data) and torch.equal(result.scale, scale)
+
+
+def test_partial_last_mx_block_is_handled_as_zero_padded() -> None:
+    w = random_weight(4, 48, seed=6)  # K = 48: one full and one half MX block
+    for rule in REQUANT_RULES:
+        result = requantize_nvfp4(w, rule)
+        assert result.scale.shape == (4, 2)
+        assert result.error.total_blocks == 8
+    mse = requantize_nvfp4(w, "mse")
+    ref = dequantize_nvfp4(w)
+    padded = torch.nn.functional.pad(ref, (0, 16))
+    assert mse.scale.flatten().tolist() == [reference.mse_code(b) for b in rows_of_blocks(padded)]
+
+
+def test_error_report_matches_a_direct_computation() -> None:
+    w = random_weight(24, 256, seed=7)
+    result = requantize_nvfp4(w, "even")
+    ref = dequantize_nvfp4(w).double()
+    diff = dequantize_mx(result.data, result.scale).double() - ref
+    assert result.error.rel_rms == pytest.approx(math.sqrt(float((diff**2).sum() / (ref**2).sum())), rel=1e-9)
+    assert result.error.max_abs == pytest.approx(float(diff.abs().max()), rel=1e-6)
+    assert result.error.exact_blocks == int((diff.reshape(-1, 32) == 0).all(-1).sum())
+    assert "rule=even" in str(result.error) and "exact_blocks=" in str(result.error)
+
+
+def test_nan_scale_is_refused_naming_the_layer_and_row() -> None:
+    w = random_weight(8, 64, seed=8)
+    scales = w.scales.view(torch.uint8).clone()
+    scales[5, 2] = 0x7F  # E4M3 NaN
+    bad = Nvfp4Weight(
+        w.codes, scales.view(torch.float8_e4m3fn), w.global_scale, name="blocks.3.ffn.net.0.proj"
+    )
+    with pytest.raises(ValueError, match=r"blocks\.3\.ffn\.net\.0\.proj.*row 5.*corrupt"):
+        requantize_nvfp4(bad, "mse")
+    with pytest.raises(ValueError, match="rule must be one of"):
+        requantize_nvfp4(w, "uos")
+
+
+def test_fast_encoder_equals_e2m1_encode() -> None:
+    """Every finite bf16 pattern, random float32 and each rounding threshold +- one ulp."""
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16).float()
+    gen = torch.Generator().manual_seed(9)
+    thresholds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0])
+    near = torch.cat(
+        [thresholds, torch.nextafter(thresholds, thresholds * 2), torch.nextafter(thresholds, 0 * thresholds)]
+    )
+    y = torch.cat([patterns, torch.randn(100_000, generator=gen) * 4, near, -near])
+    y = y[torch.isfinite(y)]
+    assert torch.equal(encode_e2m1(y), e2m1_encode(y))
