@@ -20,7 +20,6 @@ pytestmark = [pytest.mark.omni, pytest.mark.slow]
 def _rank_main(rank: int, world: int, port: int, spec, model_dir: str, results) -> None:
     try:
         torch.set_num_threads(1)
-        from vllm.config import LoadConfig
         from vllm.config.vllm import set_current_vllm_config
         from vllm_omni.diffusion.data import OmniDiffusionConfig
         from vllm_omni.diffusion.distributed.parallel_state import (
@@ -30,19 +29,12 @@ def _rank_main(rank: int, world: int, port: int, spec, model_dir: str, results) 
             initialize_model_parallel,
         )
         from vllm_omni.diffusion.forward_context import set_forward_context
-        from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
-        from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2 import (
-            create_transformer_from_config,
-            load_transformer_config,
-        )
+        from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
         from vllm_omni.plugins import load_omni_general_plugins
-        from vllm_omni.quantization import build_quant_config
 
         load_omni_general_plugins()
         od = OmniDiffusionConfig(model=None, dtype=torch.float32, num_gpus=world)
         od.parallel_config.tensor_parallel_size = world
-        from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
-
         vcfg = create_diffusion_vllm_config(torch.device("cpu"), od)
         with set_forward_context(vllm_config=vcfg, omni_diffusion_config=od), set_current_vllm_config(vcfg):
             init_distributed_environment(
@@ -55,30 +47,7 @@ def _rank_main(rank: int, world: int, port: int, spec, model_dir: str, results) 
             initialize_model_parallel(
                 tensor_parallel_size=world, data_parallel_size=1, sequence_parallel_size=1, backend="gloo"
             )
-            if spec.get("backend") == "npu":
-                import sys
-
-                from tests.support.fake_torch_npu import make_fake_torch_npu
-
-                # The semantic fake, installed once the engine's platform is resolved.
-                sys.modules["torch_npu"] = make_fake_torch_npu()
-            cfg = load_transformer_config(model_dir, "transformer")
-            model = create_transformer_from_config(cfg, build_quant_config(spec), component="transformer")
-            model.weights_sources = [DiffusersPipelineLoader.ComponentSource(model_dir, "transformer", None)]
-            loader = DiffusersPipelineLoader(LoadConfig(), od)
-            loader.load_weights(model)
-            loader._process_weights_after_loading(model, torch.device("cpu"))
-            g = torch.Generator().manual_seed(0)
-            hs = torch.randn(1, 16, 3, 8, 8, generator=g)
-            ehs = torch.randn(1, 16, 32, generator=g)
-            with torch.no_grad():
-                out = model(
-                    hidden_states=hs,
-                    timestep=torch.tensor([500]),
-                    encoder_hidden_states=ehs,
-                    return_dict=False,
-                )[0]
-            shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith("blocks.0.")}
+            out, shapes = _load_and_run(od, spec, model_dir)
         destroy_model_parallel()
         destroy_distributed_environment()
         results.put((rank, "ok", out.numpy().copy(), shapes))  # by value: the child exits first
@@ -86,6 +55,39 @@ def _rank_main(rank: int, world: int, port: int, spec, model_dir: str, results) 
         import traceback
 
         results.put((rank, "error", traceback.format_exc(), None))
+
+
+def _load_and_run(od, spec, model_dir: str):
+    """This rank's expert, built and loaded by vLLM-Omni, run once: (output, block 0's parameter shapes)."""
+    from vllm.config import LoadConfig
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+    from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2 import (
+        create_transformer_from_config,
+        load_transformer_config,
+    )
+    from vllm_omni.quantization import build_quant_config
+
+    if spec.get("backend") == "npu":
+        import sys
+
+        from tests.support.fake_torch_npu import make_fake_torch_npu
+
+        # The semantic fake, installed once the engine's platform is resolved.
+        sys.modules["torch_npu"] = make_fake_torch_npu()
+    cfg = load_transformer_config(model_dir, "transformer")
+    model = create_transformer_from_config(cfg, build_quant_config(spec), component="transformer")
+    model.weights_sources = [DiffusersPipelineLoader.ComponentSource(model_dir, "transformer", None)]
+    loader = DiffusersPipelineLoader(LoadConfig(), od)
+    loader.load_weights(model)
+    loader._process_weights_after_loading(model, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(1, 16, 3, 8, 8, generator=g)
+    ehs = torch.randn(1, 16, 32, generator=g)
+    with torch.no_grad():
+        out = model(
+            hidden_states=hs, timestep=torch.tensor([500]), encoder_hidden_states=ehs, return_dict=False
+        )[0]
+    return out, {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith("blocks.0.")}
 
 
 def _run(world: int, spec, model_dir) -> dict:
