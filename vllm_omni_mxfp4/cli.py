@@ -18,7 +18,9 @@ config.json, so vLLM-Omni loads the result with no --quantization flag. Everythi
 before anything is written; the output is built beside the target and renamed into place at the
 end, so a failure or an interruption leaves no output directory.
 
-Exit status: 0 success, 2 usage or validation error, 1 I/O error, 130 SIGINT, 143 SIGTERM."""
+Exit status: 0 success, 2 usage or validation error, 1 I/O error, 128 + the signal's number for
+SIGINT (130), SIGHUP (129), SIGQUIT (131) and SIGTERM (143). A SIGKILL cannot be caught: it leaves a
+staging directory, which the next merge (to any target) removes and --dry-run reports."""
 
 _SIZE_UNITS = {
     "": 1,
@@ -125,15 +127,55 @@ def format_merge_summary(report) -> str:
         f"  copied {report.copied_files} other pipeline files ({_human(report.copied_bytes)}); "
         f"total {report.seconds:.2f} s"
     )
+    lines.extend(f"  removed {path}, left by a killed merge" for path in report.removed_stale)
+    lines.extend(
+        f"  stale: {path}, left by a killed merge; the next merge (without --dry-run) removes it"
+        for path in report.stale_staging
+    )
     return "\n".join(lines)
 
 
-class _Terminated(Exception):
-    """Raised in the main thread by the SIGTERM handler, so that the merge cleans up."""
+#: The signals a merge turns into a clean exit (staging removed, status 128 + the signal's number).
+CLEAN_EXIT_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM)
+_SIGNAL_WORDS = {signal.SIGINT: "interrupted", signal.SIGHUP: "hung up", signal.SIGQUIT: "quit"}
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
+class _Stopped(BaseException):
+    """Raised in the main thread by the first handled signal, so that the merge cleans up.
+
+    A ``BaseException`` (like ``KeyboardInterrupt``), so no ``except Exception`` swallows it.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _SignalGuard:
+    """While active, the first of :data:`CLEAN_EXIT_SIGNALS` raises :class:`_Stopped` in the main
+    thread; later ones (a second Ctrl-C) are ignored, so that the cleanup the first one started runs
+    to its end. A signal the parent set to be ignored (``nohup`` for SIGHUP, a background job's
+    SIGINT) stays ignored."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            raise _Stopped(signum)
+
+    def __enter__(self) -> _SignalGuard:
+        for signum in CLEAN_EXIT_SIGNALS:
+            previous = signal.getsignal(signum)
+            if previous is not signal.SIG_IGN:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 def run_merge(args: argparse.Namespace) -> int:
@@ -142,7 +184,6 @@ def run_merge(args: argparse.Namespace) -> int:
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
 
     def fail(message: str, status: int) -> int:
         if args.json:
@@ -152,27 +193,27 @@ def run_merge(args: argparse.Namespace) -> int:
         return status
 
     try:
-        report = merge(
-            args.model_type,
-            args.original_model,
-            args.quant_path,
-            args.output_path,
-            weight_layout=args.weight_layout,
-            max_shard_size=args.max_shard_size,
-            dry_run=args.dry_run,
-            overwrite=args.overwrite,
-            non_block_quantized=args.non_block_quantized,
-        )
+        with _SignalGuard():
+            report = merge(
+                args.model_type,
+                args.original_model,
+                args.quant_path,
+                args.output_path,
+                weight_layout=args.weight_layout,
+                max_shard_size=args.max_shard_size,
+                dry_run=args.dry_run,
+                overwrite=args.overwrite,
+                non_block_quantized=args.non_block_quantized,
+            )
     except CheckpointError as exc:
         return fail(str(exc), 2)
-    except KeyboardInterrupt:
-        return fail("interrupted; no output was written", 130)
-    except _Terminated:
-        return fail("terminated; no output was written", 143)
+    except KeyboardInterrupt:  # raised by code that runs its own SIGINT handling
+        return fail("interrupted; no output was written", 128 + signal.SIGINT)
+    except _Stopped as stop:
+        word = _SIGNAL_WORDS.get(stop.signum, "terminated")
+        return fail(f"{word} ({signal.Signals(stop.signum).name}); no output was written", 128 + stop.signum)
     except OSError as exc:
         return fail(f"{exc}; no output was written", 1)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     if args.json:
         print(json.dumps({"ok": True, **report.to_dict()}, indent=2))
     else:

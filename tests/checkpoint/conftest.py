@@ -73,6 +73,15 @@ class Scenario:
     specs: dict[str, ExpertSpec]
 
 
+@pytest.fixture(autouse=True)
+def private_home(tmp_path_factory, monkeypatch):
+    """A temporary HOME for each test, so that the merge's staging registry
+    (``~/.cache/vllm-omni-mxfp4/merge-staging``) is the test's own, in this process and its children."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    return home
+
+
 @pytest.fixture(scope="session")
 def tiny_pipeline(tmp_path_factory) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
     pytest.importorskip("diffusers")

@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import staging
-from .errors import CheckpointError, read_json_object
+from .errors import CheckpointError, read_json_object, require_regular_file
 from .plan import (
     DESCRIPTION_NAME,
     NON_BLOCK_POLICIES,
@@ -35,7 +35,7 @@ from .plan import (
     TransformerReport,
     plan_transformer,
 )
-from .safetensors_io import write_checkpoint
+from .safetensors_io import copy_range, write_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,10 @@ class MergeReport:
     copied_files: int
     copied_bytes: int
     seconds: float
+    #: Staging directories of killed merges that this run removed (a dry run removes none) ...
     removed_stale: list[str] = field(default_factory=list)
+    #: ... and those a dry run found (a later merge removes them).
+    stale_staging: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -155,23 +158,27 @@ def _check_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
 
 
 def _component_files(original: Path, transformers: set[str]) -> list[Path]:
-    """Every file of the pipeline except the merged transformers (relative paths)."""
+    """Every file of the pipeline except the merged transformers (relative paths); each must be a
+    regular file (a FIFO or a device is refused before anything is opened)."""
     files = []
     for root, dirs, names in os.walk(original, followlinks=True):
         rel = Path(root).relative_to(original)
         dirs[:] = sorted(
             d for d in dirs if d not in _SKIPPED_DIRS and not (rel == Path(".") and d in transformers)
         )
-        files.extend(rel / name for name in sorted(names))
+        for name in sorted(names):
+            require_regular_file(Path(root) / name)
+            files.append(rel / name)
     return files
 
 
 def _copy_file(src: Path, dst: Path, progress: Callable[[int], None]) -> int:
+    """Copy one file in bounded chunks (a signal is handled between chunks, even for a huge file)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
+    with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
+        size = os.fstat(fin.fileno()).st_size
+        copy_range(fin, 0, size, fout, progress, str(src))
     shutil.copymode(src, dst)
-    size = dst.stat().st_size
-    progress(size)
     return size
 
 
@@ -217,8 +224,8 @@ def _write_output(
     *,
     progress: bool | None,
     overwrite: bool,
-) -> list[str]:
-    """Build the output in a staging directory and rename it into place; returns removed stale dirs.
+) -> None:
+    """Build the output in a staging directory and rename it into place.
 
     On any failure or interruption the staging directory is deleted and nothing is published.
     """
@@ -232,7 +239,6 @@ def _write_output(
         desc="merge",
         disable=None if progress is None else not progress,
     )
-    removed = [str(p) for p in staging.remove_stale(output)]
     stage = staging.create(output)
     try:
         with bar:
@@ -245,7 +251,17 @@ def _write_output(
     except BaseException:
         staging.discard(stage)
         raise
-    return removed
+
+
+def _handle_stale_staging(output: Path, dry_run: bool) -> list[str]:
+    """Staging directories left by killed merges (any target, see :mod:`.staging`): removed, or in a
+    dry run only reported. Runs first, so that even a merge that fails validation cleans them."""
+    if not dry_run:
+        return [str(p) for p in staging.remove_stale(output)]
+    found = [str(p) for p in staging.stale_dirs(output)]
+    for path in found:
+        logger.warning("%s was left by an interrupted merge; the next merge (not --dry-run) removes it", path)
+    return found
 
 
 def _plan_transformers(
@@ -292,6 +308,7 @@ def merge(
     start = time.perf_counter()
     _check_options(weight_layout, non_block_quantized, max_shard_size)
     original, quant, output = (Path(p).absolute() for p in (original_model, quant_path, output_path))
+    stale = _handle_stale_staging(output, dry_run)
     _check_input_dirs(original, quant)
     resolved_type = resolve_model_type(model_type, original)
     _check_output(output, [original, quant], overwrite)
@@ -316,11 +333,11 @@ def merge(
         copied_files=len(components),
         copied_bytes=sum((original / rel).stat().st_size for rel in components),
         seconds=0.0,
+        removed_stale=[] if dry_run else stale,
+        stale_staging=stale if dry_run else [],
     )
     if not dry_run:
-        report.removed_stale = _write_output(
-            original, output, components, plans, progress=progress, overwrite=overwrite
-        )
+        _write_output(original, output, components, plans, progress=progress, overwrite=overwrite)
         _log_written(plans)
     report.seconds = round(time.perf_counter() - start, 3)
     return report

@@ -26,7 +26,7 @@ import numpy as np
 
 from vllm_omni_mxfp4 import spec
 
-from .errors import CheckpointError
+from .errors import CheckpointError, require_regular_file
 
 #: Bytes per element of each safetensors dtype.
 DTYPE_SIZES: dict[str, int] = {
@@ -110,6 +110,7 @@ def decode_array(raw: bytes, dtype: str, shape: Sequence[int]) -> np.ndarray:
 
 def _read_header_json(path: Path) -> tuple[dict, int, int]:
     """The parsed JSON header of a safetensors file, where its data starts, and the file size."""
+    require_regular_file(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as fh:
@@ -161,8 +162,23 @@ def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
     return tensors, metadata
 
 
+def _check_index_entry(index: Path, name: str, shard: str) -> None:
+    """A shard named by an index is a plain file name in the index's directory and a regular file."""
+    blame = f"{index}: the index entry for tensor {name!r} names shard {shard!r}"
+    if shard in ("", ".", "..") or Path(shard).name != shard or "\\" in shard:
+        raise CheckpointError(
+            f"{blame}, which is outside {index.parent}; an index may only name files in its own directory"
+        )
+    require_regular_file(index.parent / shard, f"{blame}:")
+
+
 def read_index(index: Path) -> dict[str, str]:
-    """The ``weight_map`` (tensor name -> shard file name) of a safetensors index file."""
+    """The ``weight_map`` (tensor name -> shard file name) of a safetensors index file.
+
+    Every shard must be a file name in the index's own directory and, where it exists, a regular
+    file: an entry that leaves the directory or names a FIFO or a device is refused, naming the entry.
+    """
+    require_regular_file(index)
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -171,6 +187,11 @@ def read_index(index: Path) -> dict[str, str]:
         raise CheckpointError(
             f"{index}: not a safetensors index (expected a JSON object with 'weight_map')"
         ) from None
+    checked: set[str] = set()
+    for name, shard in weight_map.items():
+        if shard not in checked:
+            _check_index_entry(index, name, shard)
+            checked.add(shard)
     return weight_map
 
 
@@ -182,6 +203,7 @@ def open_archive(files: Iterable[Path], index: Path | None = None) -> dict[str, 
     tensor in a shard that the index does not list there.
     """
     files = sorted(files)
+    weight_map = None if index is None else read_index(index)
     tensors: dict[str, TensorRef] = {}
     for path in files:
         for name, ref in read_header(path)[0].items():
@@ -190,9 +212,8 @@ def open_archive(files: Iterable[Path], index: Path | None = None) -> dict[str, 
                     f"duplicate tensor {name!r}: stored in both {tensors[name].path} and {path}"
                 )
             tensors[name] = ref
-    if index is None:
+    if weight_map is None:
         return tensors
-    weight_map = read_index(index)
     names = {p.name for p in files}
     for shard in sorted(set(weight_map.values())):
         if shard not in names:
@@ -225,6 +246,33 @@ def _write_all(out: BinaryIO, data: bytes | memoryview) -> None:
         view = view[written:]
 
 
+def copy_range(src: BinaryIO, offset: int, nbytes: int, out: BinaryIO, progress: Progress, what: str) -> None:
+    """Copy ``nbytes`` bytes of ``src`` from ``offset`` to ``out``'s position, in bounded chunks.
+
+    Each system call moves at most :data:`COPY_CHUNK` bytes, so a signal reaches the main thread
+    within one chunk even for a file of many GB. ``what`` names the input in the truncation error.
+    """
+    remaining, fast = nbytes, hasattr(os, "copy_file_range")
+    while remaining:
+        step = min(remaining, COPY_CHUNK)
+        done = 0
+        if fast:
+            try:
+                done = os.copy_file_range(src.fileno(), out.fileno(), step, offset)
+            except OSError:
+                fast = False
+        if not done:
+            src.seek(offset)
+            chunk = src.read(step)
+            if len(chunk) != step:
+                raise CheckpointError(f"{what} is truncated")
+            _write_all(out, chunk)
+            done = step
+        offset += done
+        remaining -= done
+        progress(done)
+
+
 @dataclass(frozen=True)
 class CopyBytes:
     """The bytes of an input tensor, unchanged."""
@@ -237,26 +285,14 @@ class CopyBytes:
 
     def write_to(self, out: BinaryIO, progress: Progress) -> None:
         with open(self.ref.path, "rb", buffering=0) as src:
-            remaining, offset = self.ref.nbytes, self.ref.offset
-            fast = hasattr(os, "copy_file_range")
-            while remaining:
-                step = min(remaining, COPY_CHUNK)
-                done = 0
-                if fast:
-                    try:
-                        done = os.copy_file_range(src.fileno(), out.fileno(), step, offset)
-                    except OSError:
-                        fast = False
-                if not done:
-                    src.seek(offset)
-                    chunk = src.read(step)
-                    if len(chunk) != step:
-                        raise CheckpointError(f"{self.ref.path}: tensor {self.ref.name!r} is truncated")
-                    _write_all(out, chunk)
-                    done = step
-                offset += done
-                remaining -= done
-                progress(done)
+            copy_range(
+                src,
+                self.ref.offset,
+                self.ref.nbytes,
+                out,
+                progress,
+                f"{self.ref.path}: tensor {self.ref.name!r}",
+            )
 
 
 @dataclass(frozen=True)
