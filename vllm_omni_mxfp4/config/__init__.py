@@ -12,6 +12,8 @@ with the checkpoint's own. The rules are the vLLM-Omni MXFP4 user guide's.
 - :mod:`.parse`: :func:`parse_quantization`, :class:`ComponentConfigs`.
 - :mod:`.reconcile`: :func:`reconcile_with_checkpoint`, :func:`resolve_component`, the mirror of
   vLLM-Omni's own reconciliation.
+- :mod:`.names`: :func:`check_model_names`, :func:`check_component_names`: the names a config
+  lists against the model and the components that are actually built.
 
 Pure Python and stdlib (no torch, no vLLM): the vLLM glue (``vllm_omni_mxfp4.omni``) and the
 torch-free merge (``vllm_omni_mxfp4.checkpoint``) both build on it.
@@ -25,6 +27,7 @@ from .methods import (
     Mxfp4DualScaleConfig,
     QuantConfig,
 )
+from .names import check_component_names, check_model_names
 from .parse import ComponentConfigs, parse_quantization
 from .reconcile import reconcile_with_checkpoint, resolve_component
 from .routing import LayerRoute, Precision
@@ -39,6 +42,8 @@ __all__ = [
     "Mxfp4DualScaleConfig",
     "Precision",
     "QuantConfig",
+    "check_component_names",
+    "check_model_names",
     "parse_quantization",
     "reconcile_with_checkpoint",
     "resolve_component",

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from .keys import method_of_mapping, show_value, unknown_name_error
+from .keys import method_of_mapping, show_value
 from .methods import CONFIG_CLASSES, CONFIG_TYPES, SUPPORTED_METHODS, QuantConfig, config_class
+from .names import check_component_names
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,7 @@ class ComponentConfigs:
 
     def check_names(self, known: Iterable[str]) -> None:
         """Raise ValueError if a configured component is not among ``known`` (catches typos)."""
-        known = sorted(known)
-        for name in self.components:
-            if name not in known:
-                raise unknown_name_error(name, known, "component", "Known components")
+        check_component_names(self.components, known)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able per-component dict that :func:`parse_quantization` turns back into this."""

@@ -4,7 +4,9 @@ vLLM-Omni loads entry points of group ``vllm_omni.general_plugins`` once per pro
 stage processes, diffusion workers) before it builds quantization configs. :func:`register` adds
 our builders through ``vllm_omni.quantization.factory.register_quantization_override``, which only
 vLLM-Omni's diffusion factory consults: vLLM core's own ``mxfp4`` (its MoE method for LLM
-stages, resolved through vLLM's registry) is left untouched.
+stages, resolved through vLLM's registry) is left untouched. It also installs the checks of
+:mod:`.names`: layer and component names against the model vLLM-Omni builds, and the user guide's
+per-component forms in vLLM-Omni's factory.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ def register() -> None:
     from vllm_omni.quantization.factory import register_quantization_override
 
     from .._logging import attach_to_vllm_logging
+    from .loading import install_load_guard
+    from .names import install as install_name_checks
     from .quant_config import Mxfp4DualScaleQuantizationConfig, Mxfp4QuantizationConfig
 
     register_quantization_override("mxfp4", Mxfp4QuantizationConfig.from_kwargs)
     register_quantization_override("mxfp4_dualscale", Mxfp4DualScaleQuantizationConfig.from_kwargs)
+    install_name_checks()
+    install_load_guard()  # names the tensor when vLLM's loaders fail; refuses unknown quantized tensors
     attach_to_vllm_logging()
     _registered = True
     logger.debug("vllm-omni-mxfp4: registered mxfp4 and mxfp4_dualscale with vLLM-Omni")

@@ -1,0 +1,122 @@
+"""Names in a config against the model vLLM-Omni builds: layer lists, experts, the leading-block count.
+
+Each bad config is a valid one with one name changed; the real tiny Wan2.2 transformer (2 blocks) is
+built by vLLM-Omni's ``create_transformer_from_config`` with the config made by vLLM-Omni's own
+factory, as the engine does.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.layers import build_expert, checkpoint_variant, offline_dirs, quantized_layers, tiny_dir
+
+__all__ = ["offline_dirs", "tiny_dir"]
+
+pytestmark = pytest.mark.omni
+
+
+def _refused(env, model_dir, spec, sub="transformer") -> str:
+    with pytest.raises(ValueError) as info:
+        build_expert(env, model_dir, spec, sub)
+    return str(info.value)
+
+
+def test_the_valid_lists_build_and_route_as_listed(vllm_env, tiny_dir):
+    spec = {
+        "method": "mxfp4",
+        "ignored_layers": ["blocks.1.ffn.net_2"],
+        "w4a8_fallback_layers": ["blocks.0.attn1.to_qkv"],
+    }
+    layers = quantized_layers(build_expert(vllm_env, tiny_dir, spec))
+    assert "blocks.1.ffn.net_2" not in layers and len(layers) == 15
+    assert layers["blocks.0.attn1.to_qkv"].quant_method.is_w4a8_fallback_layer
+    # The paths a config lists are the prefixes get_quant_method saw: the module names.
+    assert all(layer.quant_method.prefix == name for name, layer in layers.items())
+
+
+@pytest.mark.parametrize(
+    ("method", "key", "typo", "meant"),
+    [
+        ("mxfp4", "ignored_layers", "blocks.1.ffn.net2", "blocks.1.ffn.net_2"),
+        ("mxfp4", "ignored_layers", "blocks.2.ffn.net_2", "blocks.1.ffn.net_2"),
+        ("mxfp4", "w4a8_fallback_layers", "blocks.0.attn1.to_kqv", "blocks.0.attn1.to_qkv"),
+        ("mxfp4", "w4a8_fallback_layers", "blocks.0.norm2", None),
+        ("mxfp4_dualscale", "ignored_layers", "blocks.1.attn2.to_ou", "blocks.1.attn2.to_out"),
+    ],
+)
+def test_a_layer_entry_that_names_no_linear_is_refused(vllm_env, tiny_dir, method, key, typo, meant):
+    valid = {"method": method, key: ["blocks.0.ffn.net_0.proj"]}
+    if method == "mxfp4_dualscale":
+        valid["num_bf16_fallback_layers"] = 0
+    build_expert(vllm_env, tiny_dir, valid)
+    message = _refused(vllm_env, tiny_dir, {**valid, key: ["blocks.0.ffn.net_0.proj", typo]})
+    assert f"{key} entry {typo!r} matches no Linear of the WanTransformer3DModel" in message
+    assert "(16 Linears)" in message and "blocks.0.attn1.to_qkv" in message  # the block's paths
+    if meant is None:
+        assert "Did you mean" not in message
+    else:
+        assert f"Did you mean {meant!r}?" in message
+
+
+def test_an_offline_checkpoints_ignored_layers_are_checked_too(vllm_env, offline_dirs, tmp_path):
+    def typo(config):
+        config["quantization_config"]["ignored_layers"] = ["blocks.0.ffn.net_0.prj"]
+
+    build_expert(vllm_env, offline_dirs["mxfp4"], None)
+    model = checkpoint_variant(offline_dirs["mxfp4"], tmp_path / "model", config=typo)
+    message = _refused(vllm_env, model, None)
+    assert "ignored_layers entry 'blocks.0.ffn.net_0.prj'" in message
+    assert "Did you mean 'blocks.0.ffn.net_0.proj'?" in message
+
+
+def test_num_bf16_fallback_layers_larger_than_the_block_count_is_refused(vllm_env, tiny_dir):
+    layers = quantized_layers(
+        build_expert(vllm_env, tiny_dir, {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 1})
+    )
+    assert layers and all(name.startswith("blocks.1.") for name in layers)
+    build_expert(vllm_env, tiny_dir, {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 2})
+    message = _refused(vllm_env, tiny_dir, {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 3})
+    assert "num_bf16_fallback_layers=3 is larger than the 2 blocks" in message
+    assert "Set it to at most 2" in message
+    message = _refused(vllm_env, tiny_dir, "mxfp4_dualscale")  # the default, 5
+    assert "num_bf16_fallback_layers=5 is larger than the 2 blocks" in message
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"transfomer": "mxfp4", "transformer_2": "mxfp4"},
+        {"transfomer": {"method": "mxfp4"}, "transformer_2": None},
+        {"transfomer": "mxfp4_dualscale"},
+    ],
+)
+def test_a_per_component_key_that_names_no_expert_is_refused(vllm_env, tiny_dir, spec):
+    valid = {("transformer" if k == "transfomer" else k): v for k, v in spec.items()}
+    for sub in ("transformer", "transformer_2"):
+        if valid.get(sub, valid.get("default")) != "mxfp4_dualscale":
+            build_expert(vllm_env, tiny_dir, valid, sub)
+    for sub in ("transformer", "transformer_2"):
+        message = _refused(vllm_env, tiny_dir, spec, sub)
+        assert "Unknown component 'transfomer' in the per-component config." in message
+        assert "Did you mean 'transformer'?" in message
+        assert "Known components: transformer, transformer_2." in message
+
+
+def test_the_user_guides_per_component_forms_build_through_vllm_omnis_factory(vllm_env, tiny_dir):
+    spec = {
+        "transformer": "mxfp4",
+        "transformer_2": {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0},
+    }
+    by_expert = {
+        sub: {
+            m.quant_method.method_name
+            for m in quantized_layers(build_expert(vllm_env, tiny_dir, spec, sub)).values()
+        }
+        for sub in ("transformer", "transformer_2")
+    }
+    assert by_expert == {"transformer": {"mxfp4"}, "transformer_2": {"mxfp4_dualscale"}}
+    for spec in ({"default": "mxfp4"}, {"transformer": "mxfp4", "transformer_2": "mxfp4"}):
+        for sub in ("transformer", "transformer_2"):
+            layers = quantized_layers(build_expert(vllm_env, tiny_dir, spec, sub))
+            assert len(layers) == 16 and {m.quant_method.method_name for m in layers.values()} == {"mxfp4"}

@@ -1,0 +1,144 @@
+"""Names in a quantization config checked where vLLM-Omni builds the model; per-component configs
+spelled with method names accepted by vLLM-Omni's own factory.
+
+:func:`install` (called by :func:`vllm_omni_mxfp4.omni.plugin.register` in every vLLM-Omni process)
+wraps three functions of vLLM-Omni:
+
+- ``WanTransformer3DModel._validate_w4a8_fallback_layers``, which vLLM-Omni's Wan2.2 transformer
+  calls with its quantization config at the end of its constructor, when every Linear exists and
+  has had its ``get_quant_method``: with one of our configs, every layer list and the leading-block
+  count are checked against the built model first (:func:`check_built_model`), then vLLM-Omni's
+  own check runs.
+- ``pipeline_wan2_2.resolve_wan_transformer_quant_config``, which selects each Wan expert's config
+  from a per-component config: a key that names no Wan expert (``"transfomer"``) is an error there,
+  instead of leaving that expert in BF16.
+- ``factory._is_per_component_dict``: vLLM-Omni recognises a per-component dict only when one value
+  is ``null`` or a dict, so ``{"transformer": "mxfp4", "transformer_2": "mxfp4_dualscale"}`` and
+  ``{"default": "mxfp4"}`` (the user guide's forms) were refused as a flat config without a method.
+  A dict without a method key whose values name one of our methods is per-component too.
+
+:func:`engine_quant_config` is the engine's own build of a ``quantization_config`` value, for
+callers (the text-to-video example) that must accept exactly what the engine accepts.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..config import SUPPORTED_METHODS
+from ..config.keys import METHOD_KEYS
+from ..config.names import check_component_names, check_model_names
+
+logger = logging.getLogger(__name__)
+
+WAN_EXPERTS = ("transformer", "transformer_2")
+"""The components vLLM-Omni's Wan2.2 pipelines build with a quantization config (its experts)."""
+
+_INSTALLED = "_vllm_omni_mxfp4_names"
+
+
+def check_built_model(model: torch.nn.Module, quant_config: Any) -> None:
+    """Check one of our configs' layer lists and leading-block count against ``model``, built."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    from .quant_config import MxQuantizationConfig
+
+    if not isinstance(quant_config, MxQuantizationConfig):
+        return
+    modules = dict(model.named_modules())
+    linears = {name for name, module in modules.items() if isinstance(module, LinearBase)}
+    missing = [name for name, module in modules.items() if isinstance(module, PPMissingLayer)]
+    blocks = getattr(model, "blocks", None)
+    num_blocks = len(blocks) if isinstance(blocks, torch.nn.ModuleList) else None
+    check_model_names(
+        quant_config.config,
+        linears,
+        num_blocks,
+        model=f"the {type(model).__name__} vLLM-Omni built",
+        unverifiable=missing,
+    )
+
+
+def check_wan_components(quant_config: Any) -> None:
+    """Refuse per-component keys that name no Wan2.2 expert (when one of our methods is involved)."""
+    from vllm_omni.quantization.component_config import ComponentQuantizationConfig
+
+    from .quant_config import MxQuantizationConfig
+
+    if not isinstance(quant_config, ComponentQuantizationConfig):
+        return
+    configs = [*quant_config.component_configs.values(), quant_config.default_config]
+    if any(isinstance(c, MxQuantizationConfig) for c in configs):
+        check_component_names(quant_config.component_configs, WAN_EXPERTS, " in the per-component config")
+
+
+def _names_our_method(value: object) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in SUPPORTED_METHODS
+    if isinstance(value, Mapping):
+        return any(_names_our_method(value.get(k)) for k in METHOD_KEYS)
+    return False
+
+
+def is_our_per_component_dict(spec: Mapping[str, Any]) -> bool:
+    """A dict without a method key whose values are method names, dicts or ``null``, one of which
+    names ``mxfp4`` / ``mxfp4_dualscale``: per-component, whatever vLLM-Omni's own test says."""
+    if not spec or any(k in spec for k in METHOD_KEYS):
+        return False
+    if not all(v is None or isinstance(v, (str, Mapping)) for v in spec.values()):
+        return False
+    return any(_names_our_method(v) for v in spec.values())
+
+
+def engine_quant_config(spec: Any) -> Any:
+    """What the engine builds from ``quantization_config=spec``: vLLM-Omni's factory with this
+    package registered. Raises the engine's error for a spec the engine refuses."""
+    from vllm_omni.quantization.factory import build_quant_config
+
+    from .plugin import register
+
+    register()
+    return build_quant_config(spec)
+
+
+def _wrap(owner: Any, name: str, make: Any) -> None:
+    """Replace ``owner.name`` by ``make(original)`` once (marked, so a second install is a no-op)."""
+    original = getattr(owner, name)
+    if getattr(original, _INSTALLED, False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    setattr(wrapper, _INSTALLED, True)
+    setattr(owner, name, wrapper)
+
+
+def install() -> None:
+    """Wrap vLLM-Omni's model construction and factory (see the module docstring); idempotent."""
+    from vllm_omni.diffusion.models.wan2_2 import pipeline_wan2_2, wan2_2_transformer
+    from vllm_omni.quantization import factory
+
+    def validate(original):
+        def run(self, quant_config):
+            check_built_model(self, quant_config)
+            return original(self, quant_config)
+
+        return run
+
+    def resolve(original):
+        def run(config, quant_config, component):
+            check_wan_components(quant_config)
+            return original(config, quant_config, component)
+
+        return run
+
+    def per_component(original):
+        return lambda spec: original(spec) or is_our_per_component_dict(spec)
+
+    _wrap(wan2_2_transformer.WanTransformer3DModel, "_validate_w4a8_fallback_layers", validate)
+    _wrap(pipeline_wan2_2, "resolve_wan_transformer_quant_config", resolve)
+    _wrap(factory, "_is_per_component_dict", per_component)
