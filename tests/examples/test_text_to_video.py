@@ -75,6 +75,47 @@ def test_bad_quantization_config_exits_2_with_the_reason(example, capsys, value,
     assert "argument --quantization-config" in err and message in err
 
 
+ENGINE_CASES = [  # (config, accepted by the engine)
+    ({"transformer": "mxfp4", "transformer_2": "mxfp4_dualscale"}, True),  # the user guide's forms
+    ({"default": "mxfp4"}, True),
+    ({"transformer": "mxfp4", "default": {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0}}, True),
+    ({"transformer": {"method": "mxfp4", "w4a8_fallback_steps": [0]}, "transformer_2": None}, True),
+    ({"transformer": "mxfp4", "transformer_2": "fp8"}, True),  # another method of vLLM-Omni
+    ({"method": "mxfp4", "ignored_layers": ["blocks.0.attn1.to_qkv"]}, True),
+    ({"transformer": "mxfp4", "transformer_2": "mxfp4_dualscal"}, False),  # unknown method
+    ({"transformer": " mxfp4 "}, False),  # vLLM-Omni does not strip a component's method name
+    ({"transformer": {"method": "mxfp4", "ignored_layers": ["blocks.0.attn1.to_q"]}}, False),
+    ({"method": "mxfp4_dualscale", "w4a8_fallback_layers": ["blocks.0.attn1.to_qkv"]}, False),
+    ({"default": {"method": "mxfp4", "num_bf16_fallback_layers": 1}}, False),  # the other method's key
+]
+
+
+@pytest.mark.omni
+@pytest.mark.skipif(not omni_installed(), reason="vllm / vllm-omni not installed")
+@pytest.mark.parametrize(("config", "accepted"), ENGINE_CASES, ids=[json.dumps(c) for c, _ in ENGINE_CASES])
+def test_the_example_accepts_exactly_what_the_engine_accepts(example, capsys, config, accepted):
+    """The engine here is what Omni(quantization_config=...) and `vllm serve --omni
+    --diffusion-quantization-config` build: vLLM-Omni's OmniDiffusionConfig with the plugin loaded."""
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+    from vllm_omni_mxfp4.omni.plugin import register
+
+    register()
+    try:
+        OmniDiffusionConfig(model=None, quantization_config=json.loads(json.dumps(config)))
+        engine_error = None
+    except (ValueError, TypeError) as exc:
+        engine_error = str(exc)
+    assert (engine_error is None) == accepted, engine_error
+    text = json.dumps(config)
+    if engine_error is None:
+        args = example.build_parser().parse_args(["--model", "m", "--quantization-config", text])
+        assert args.quantization_config == config
+    else:
+        code, err = _exit_code_and_stderr(example, ["--model", "m", "--quantization-config", text], capsys)
+        assert code == 2 and engine_error.split(".")[0] in " ".join(err.split())
+
+
 def test_json_file_errors_name_the_file(example, capsys, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")

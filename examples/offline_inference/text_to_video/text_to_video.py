@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_mxfp4.config import parse_quantization
+from vllm_omni_mxfp4.omni.names import engine_quant_config
 from vllm_omni_mxfp4_demo.engine_job import model_boundary_ratio
 from vllm_omni_mxfp4_demo.modes import add_parallel_arguments, parallel_kwargs
 
@@ -40,7 +40,8 @@ MIB = 1024 * 1024
 
 
 def parse_quantization_config(text: str) -> dict[str, Any]:
-    """``--quantization-config``: a JSON object, or the path of a file holding one; validated."""
+    """``--quantization-config``: a JSON object, or the path of a file holding one; validated by the
+    engine's own code (:func:`vllm_omni_mxfp4.omni.names.engine_quant_config`)."""
     if os.path.isfile(text):
         try:
             content = Path(text).read_text(encoding="utf-8")
@@ -60,7 +61,9 @@ def parse_quantization_config(text: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise argparse.ArgumentTypeError(f"{where} must hold a JSON object, got {type(config).__name__}")
     try:
-        parse_quantization(config)  # the same validation the engine applies, before loading a model
+        # The engine's own build of quantization_config (vLLM-Omni's factory with the plugin
+        # registered): accepted here exactly when Omni(...) and `vllm serve --omni` accept it.
+        engine_quant_config(config)
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(f"invalid quantization config in {where}: {exc}") from None
     return config
@@ -91,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="JSON",
         help='A quantization config as a JSON object (e.g. \'{"method":"mxfp4","w4a8_fallback_steps":[0,39]}\', '
-        'or per expert: \'{"transformer":{...},"transformer_2":{...}}\') or the path of a JSON file. '
+        'or per expert: \'{"transformer":"mxfp4","transformer_2":{...}}\') or the path of a JSON file. '
         "Mutually exclusive with --quantization.",
     )
     parser.add_argument("--height", type=int, default=480, help="Video height (default 480).")
