@@ -34,6 +34,13 @@ E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 """The E8M0 code of a block with a NaN or infinite element; it makes the whole block NaN."""
 
+E8M0_MAX_WEIGHT_CODE = 253
+"""The largest E8M0 code a quantizer gives a block of finite weights (BF16, FP16 or FP32: every
+magnitude is below ``2 ** 128``): the floor rule gives at most 252 (``floor(log2 amax) - 2``), the
+rules that round the exponent up (even, rceil, UOS) 253. Codes 254 (0xFE, ``2 ** 127``) and 255
+(NaN) come from no finite weight: a block under 0xFE decodes to at least ``2 ** 126`` per non-zero
+element, beyond anything a BF16/FP16 activation can meet without overflow."""
+
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """Magnitudes of the E2M1 codes 0..7; codes 8..15 are the same values negated (sign in bit 3)."""
 
@@ -80,7 +87,9 @@ class ValueRule:
 
     ``bad(values, xp)`` returns a boolean array marking invalid elements, with ``xp`` the array
     module (``numpy`` or ``torch``; both have ``isfinite`` and the operators used). ``expected``
-    says in words what a valid value is, and ``cause`` what usually produced an invalid one.
+    says in words what a valid value is, and ``cause`` what usually produced an invalid one. Every
+    rule marks the values outside one interval (and NaN): a tensor is valid exactly when its minimum
+    and maximum are, which lets the loader decide with one ``aminmax`` pass.
     """
 
     name: str
@@ -95,9 +104,11 @@ VALUE_RULES: dict[str, ValueRule] = {
         ValueRule("any", "any value", "", lambda v, xp: v != v),  # packed FP4 bytes: every byte is valid
         ValueRule(
             "e8m0",
-            "E8M0 codes other than 0xFF (NaN)",
-            "a NaN or Inf in the weight when it was quantized, or a corrupt file",
-            lambda v, xp: v == E8M0_NAN,
+            f"E8M0 codes <= {E8M0_MAX_WEIGHT_CODE} (0x{E8M0_MAX_WEIGHT_CODE:02X}), the largest a quantizer gives "
+            "finite weights (0xFF is NaN, 0xFE decodes blocks beyond float range)",
+            "a NaN or Inf in the weight when it was quantized, a corrupt file, or scales written with another "
+            "bias or byte order (not E8M0 codes)",
+            lambda v, xp: v > E8M0_MAX_WEIGHT_CODE,
         ),
         ValueRule(
             "finite_nonnegative",
@@ -109,6 +120,13 @@ VALUE_RULES: dict[str, ValueRule] = {
             "finite_positive",
             "finite values > 0",
             "a Smooth calibration that divided by zero or diverged, or a corrupt file",
+            lambda v, xp: ~xp.isfinite(v) | ~(v > 0),
+        ),
+        ValueRule(
+            "smooth_in_activation_dtype",
+            "finite values > 0 in the activation dtype (FP16: 6.0e-8 to 65504)",
+            "a Smooth vector calibrated in float32 or BF16 whose range the activation dtype cannot hold; "
+            "x * mul_scale runs in that dtype",
             lambda v, xp: ~xp.isfinite(v) | ~(v > 0),
         ),
         ValueRule(

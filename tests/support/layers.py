@@ -63,7 +63,16 @@ def make_layer(
     if exact:
         options["VLLM_OMNI_MXFP4_EMULATED_COMPUTE"] = "float32"
     with env.context(), env_vars(**options):
-        return cls(k, n, bias=bias, quant_config=qc, prefix=prefix, params_dtype=dtype, return_bias=False)
+        layer = cls(k, n, bias=bias, quant_config=qc, prefix=prefix, params_dtype=dtype, return_bias=False)
+    return _zero_bias(layer)
+
+
+def _zero_bias(layer):
+    """A bias the test does not load holds zeros, not ``torch.empty`` garbage (which could be NaN and
+    trip the load-time value check; vLLM-Omni's loader refuses a checkpoint that lacks a bias)."""
+    if getattr(layer, "bias", None) is not None:
+        layer.bias.data.zero_()
+    return layer
 
 
 def make_qkv(env, spec, *, prefix="blocks.0.attn1.to_qkv", bias=True):
@@ -72,7 +81,7 @@ def make_qkv(env, spec, *, prefix="blocks.0.attn1.to_qkv", bias=True):
 
     qc = build_quant_config(spec)
     with env.context(), env_vars(VLLM_OMNI_MXFP4_EMULATED_COMPUTE="float32"):
-        return QKVParallelLinear(
+        layer = QKVParallelLinear(
             K,
             head_size=32,
             total_num_heads=2,
@@ -82,6 +91,7 @@ def make_qkv(env, spec, *, prefix="blocks.0.attn1.to_qkv", bias=True):
             params_dtype=torch.bfloat16,
             return_bias=False,
         )
+    return _zero_bias(layer)
 
 
 def load(layer, name, tensor, *shard):
@@ -274,3 +284,21 @@ def offline_dirs(tiny_dir, tmp_path_factory):
         shutil.copy(tiny_dir / "model_index.json", model / "model_index.json")
         dirs[method] = model
     return dirs
+
+
+def checkpoint_variant(src, dst, *, config=None, tensors=None, sub="transformer"):
+    """A copy of the model directory ``src`` at ``dst`` with expert ``sub``'s ``config.json`` passed
+    through ``config(dict)`` and its tensors through ``tensors(dict)`` (both edit in place): a bad
+    checkpoint built from a valid one."""
+    shutil.copytree(src, dst)
+    if config is not None:
+        path = dst / sub / "config.json"
+        data = json.loads(path.read_text())
+        config(data)
+        path.write_text(json.dumps(data))
+    if tensors is not None:
+        path = dst / sub / "diffusion_pytorch_model.safetensors"
+        data = load_file(str(path))
+        tensors(data)
+        save_file(data, str(path))
+    return dst

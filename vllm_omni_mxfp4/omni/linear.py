@@ -27,14 +27,14 @@ from typing import Any, ClassVar
 
 import torch
 from torch.nn import Parameter
-from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
+from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear, UnquantizedLinearMethod
 from vllm.model_executor.utils import set_weight_attrs
 
 from ..config import LayerRoute, Precision, QuantConfig
 from ..kernels import KernelSelector, MxKernel, MxLayerSpec
-from ..spec import E8M0_NAN, FORMATS, CheckpointTensor, checkpoint_tensors
+from ..spec import BIAS, FORMATS, VALUE_RULES, CheckpointTensor, checkpoint_tensors
 from . import trace
-from .loading import checked_tensor, counted_load, row_shard, shard_geometry
+from .loading import check_values, checked_tensor, counted_load, row_shard, shard_geometry
 from .state import PREPARED_ATTR, MxLayerState, Phase
 
 logger = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class MxLinearMethod(LinearMethodBase):
         state: MxLayerState = layer._mx
 
         def load(param: Parameter, loaded_weight: torch.Tensor, *args: Any) -> None:
-            loaded_weight = self._checked(state, name, loaded_weight)
+            loaded_weight = self._checked(state, name, loaded_weight, *args)
             if name == "mul_scale" and state.loaded_count(name):
                 self._check_shared_smooth(layer, loaded_weight)
             tensor = None if self.online else self.tensor(name)
@@ -251,9 +251,11 @@ class MxLinearMethod(LinearMethodBase):
         if not torch.equal(have.to(smooth.dtype), smooth.to(have.device)):
             raise ValueError(f"Fused Q/K/V must share the same Smooth tensor: {self.prefix}.mul_scale")
 
-    def _checked(self, state: MxLayerState, name: str, t: torch.Tensor) -> torch.Tensor:
+    def _checked(self, state: MxLayerState, name: str, t: torch.Tensor, *shard: Any) -> torch.Tensor:
         """Validate a checkpoint tensor against the format; returns it in the parameter's layout."""
         where, k_full = f"{self.prefix}.{name}", state.geometry.k_full
+        if shard and isinstance(shard[0], str):
+            where += f" (fused piece {shard[0]!r})"
         if not self.online:
             return checked_tensor(where, self.tensor(name), t, k_full)
         if name != "weight":
@@ -262,8 +264,11 @@ class MxLinearMethod(LinearMethodBase):
             raise ValueError(
                 f"{where}: online {self.method_name} expects a BF16/FP16/FP32 weight (N, {k_full}), got "
                 f"{t.dtype} {tuple(t.shape)}; for a pre-quantized checkpoint declare "
-                f"is_checkpoint_{self.serialized_infix}serialized"
+                f"is_checkpoint_{self.serialized_infix}serialized: true in the quantization_config of the "
+                "transformer's config.json (the config says online: the flag is false or absent, or the "
+                "config is not an object) and omit the quantization argument"
             )
+        check_values(where, VALUE_RULES["finite"], t)  # a NaN/Inf weight would quantize to NaN scales
         return t
 
     def _quantize_online(self, layer: torch.nn.Module) -> None:
@@ -293,6 +298,8 @@ class MxLinearMethod(LinearMethodBase):
                 f"{state.loaded_count('weight')} of {layer.weight.numel()} elements were loaded"
             )
         self._check_complete(layer, state)
+        if getattr(layer, "bias", None) is not None:
+            check_values(f"{self.prefix}.bias", BIAS.value_rule, layer.bias.data)
         smooth = self._validated_smooth(layer) if state.loaded_count("mul_scale") else None
         for name, param in list(layer.named_parameters(recurse=False)):
             if (
@@ -313,24 +320,18 @@ class MxLinearMethod(LinearMethodBase):
                     f"{self.prefix}.{name}: required by offline {self.method_name} but "
                     f"{'missing from' if not state.loaded_count(name) else 'incomplete in'} the checkpoint"
                 )
-        nan_rows = (layer.weight_scale.data == E8M0_NAN).any(dim=1)
-        if bool(nan_rows.any()):
-            raise ValueError(
-                f"{self.prefix}.weight_scale: E8M0 code 0xFF (NaN) in {int(nan_rows.sum())} rows (first row "
-                f"{int(nan_rows.nonzero()[0])}); the checkpoint is corrupt"
-            )
 
     def _validated_smooth(self, layer: torch.nn.Module) -> torch.Tensor | None:
         """The Smooth multiplier in the activation dtype, or None when it is all ones."""
         smooth = layer.mul_scale.data
         cast = smooth.to(layer.orig_dtype)
-        bad = self.tensor("mul_scale").value_rule.bad(cast, torch)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise ValueError(
-                f"{self.prefix}.mul_scale: value {smooth[i].item()} at index {i} is not finite and positive "
-                f"in the activation dtype {layer.orig_dtype}"
-            )
+        check_values(
+            f"{self.prefix}.mul_scale",
+            VALUE_RULES["smooth_in_activation_dtype"],
+            cast,
+            note=f" once converted to the activation dtype {layer.orig_dtype}",
+            original=smooth,
+        )
         if bool((cast == 1).all()):
             return None
         return cast
@@ -379,3 +380,52 @@ class MxLinearMethod(LinearMethodBase):
         prepared = getattr(layer, PREPARED_ATTR)
         out = state.kernel.apply(layer, prepared, x.reshape(-1, x.shape[-1]), bias, precision)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class CheckedUnquantizedLinearMethod(UnquantizedLinearMethod):
+    """vLLM's BF16 Linear method for a layer our config keeps unquantized, with load-time checks.
+
+    The weight loader refuses a packed (uint8) or otherwise non-float weight with a message naming
+    the layer and why the config keeps it in BF16 (typically an ``ignored_layers`` entry that names
+    a quantized layer of the checkpoint); ``process_weights_after_loading`` checks that weight and
+    bias are finite (one vectorised pass each) before vLLM's own processing.
+    """
+
+    def __init__(self, route: LayerRoute, method_name: str) -> None:
+        super().__init__()
+        self.route = route
+        self.method_name = method_name
+
+    def create_weights(self, layer: torch.nn.Module, *args: Any, **extra_weight_attrs: Any) -> None:
+        vllm_loader = extra_weight_attrs.pop("weight_loader")
+        prefix, why, method = self.route.prefix, self.route.reason, self.method_name
+
+        if "ignored_layers" in why:
+            fix = (
+                f"Remove {prefix!r} from ignored_layers in the transformer's config.json (the merge CLI writes "
+                "that list from the export), or load a checkpoint that has this layer in BF16."
+            )
+        else:
+            fix = (
+                "The config quantizes online from BF16 weights, but this checkpoint is pre-quantized: omit the "
+                "quantization argument and give the transformer's config.json its quantization_config "
+                "(is_checkpoint_mxfp4_serialized / is_checkpoint_serialized: true; vllm-omni-mxfp4 merge writes it)."
+            )
+
+        def load(param: Parameter, loaded_weight: torch.Tensor, *shard: Any) -> None:
+            if not loaded_weight.is_floating_point():
+                raise ValueError(
+                    f"{prefix}.weight: the {method} config keeps this Linear in BF16 ({why}), but the checkpoint "
+                    f"holds {loaded_weight.dtype} {tuple(loaded_weight.shape)}, a quantized layer's packed FP4 "
+                    f"weight. {fix}"
+                )
+            vllm_loader(param, loaded_weight, *shard)
+
+        super().create_weights(layer, *args, weight_loader=load, **extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        for name in ("weight", "bias"):
+            param = getattr(layer, name, None)
+            if param is not None:
+                check_values(f"{self.route.prefix}.{name}", VALUE_RULES["finite"], param.data)
+        super().process_weights_after_loading(layer)

@@ -18,8 +18,10 @@ the installed vLLM.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +29,9 @@ import torch
 from torch.nn import Parameter
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..checkpoint.names import runtime_layer_name
 from ..formats import e2m1_decode, e2m1_encode, pack_fp4
-from ..spec import CheckpointTensor
+from ..spec import FORMAT_TENSORS, CheckpointTensor, ValueRule
 from .state import MxLayerState, Phase, ShardGeometry
 
 logger = logging.getLogger(__name__)
@@ -51,7 +54,6 @@ class _Accept:
     accepts: Callable[[torch.Tensor], bool]
     convert: Callable[[torch.Tensor], torch.Tensor]
     shape_error: str
-    value_error: str | None = None
 
 
 _ACCEPT: dict[str, _Accept] = {
@@ -69,8 +71,6 @@ _ACCEPT: dict[str, _Accept] = {
         torch.Tensor.is_floating_point,
         torch.Tensor.float,
         "{where}: expected a float32 Smooth vector ({shape},), got {got}",
-        "{where}: Smooth scales must be finite and positive; {count} of {total} are not (first at index "
-        "{index}: {value})",
     ),
 }
 
@@ -140,16 +140,30 @@ def checked_tensor(where: str, tensor: CheckpointTensor, t: torch.Tensor, k_full
     if not rule.accepts(t) or tuple(t.shape) != want:
         shape = ", ".join(map(str, want[1:])) if has_n else str(want[0])
         raise ValueError(rule.shape_error.format(where=where, shape=shape, got=f"{t.dtype} {tuple(t.shape)}"))
-    if rule.value_error is not None:
-        bad = tensor.value_rule.bad(t, torch)
-        if bool(bad.any()):
-            index = int(bad.nonzero()[0])
-            raise ValueError(
-                rule.value_error.format(
-                    where=where, count=int(bad.sum()), total=t.numel(), index=index, value=t[index].item()
-                )
-            )
+    check_values(where, tensor.value_rule, t)
     return rule.convert(t)
+
+
+def check_values(
+    where: str, rule: ValueRule, t: torch.Tensor, *, note: str = "", original: torch.Tensor | None = None
+) -> None:
+    """Refuse ``t`` if any of its values breaks ``rule``. Every rule marks the values outside an
+    interval (and NaN, which ``aminmax`` propagates), so one ``aminmax`` pass over the tensor decides;
+    only the failure path runs the rule elementwise to find the first bad value. ``original``: the
+    tensor to quote values from when ``t`` is a converted copy (``note`` says how)."""
+    if not t.numel() or not bool(rule.bad(torch.stack(torch.aminmax(t)), torch).any()):
+        return
+    flat = rule.bad(t, torch).flatten()
+    first = int(flat.nonzero()[0])
+    index = [int(i) for i in torch.unravel_index(torch.tensor(first), tuple(t.shape))]
+    quoted = t if original is None else original
+    value = quoted.flatten()[first].item()
+    shown = f"0x{int(value):02X}" if quoted.dtype == torch.uint8 else repr(value)
+    raise ValueError(
+        f"{where}: {int(flat.sum())} of {t.numel()} values break the rule '{rule.name}' ({rule.expected}); "
+        f"the first is {shown} at index {index}{note}. Likely cause: {rule.cause}. Export the checkpoint "
+        "again from valid weights (vllm-omni-mxfp4 merge checks every tensor's values)."
+    )
 
 
 def as_packed(t: torch.Tensor, k_full: int, where: str) -> torch.Tensor:
@@ -203,3 +217,120 @@ def counted_load(
     if state.phase is Phase.CREATED:
         state.phase = Phase.LOADING
     return state.loaded[name]
+
+
+# ------------------------------------------------------------------ the model's whole load
+
+
+class _Stream:
+    """The checkpoint's ``(name, tensor)`` stream as the model consumes it: every name, and the pair
+    being loaded now (``None`` while the reader itself runs, so its errors are not blamed on a tensor)."""
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._it = iter(weights)
+        self.names: list[str] = []
+        self.current: tuple[str, torch.Tensor] | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        self.current = None
+        name, tensor = next(self._it)
+        self.names.append(name)
+        self.current = (name, tensor)
+        return name, tensor
+
+
+def _layer_of(model: torch.nn.Module, name: str) -> tuple[str, torch.nn.Module | None]:
+    """The runtime path and module of the Linear a checkpoint tensor ``name`` belongs to."""
+    layer = name.rsplit(".", 1)[0]
+    with contextlib.suppress(ValueError):  # not a Wan2.2 Linear name: keep the checkpoint's path
+        layer = runtime_layer_name(layer)
+    try:
+        return layer, model.get_submodule(layer)
+    except AttributeError:
+        return layer, None
+
+
+def misfit_message(model: torch.nn.Module, name: str, tensor: torch.Tensor, exc: BaseException) -> str:
+    """One message for a checkpoint tensor that vLLM's own weight loader could not place."""
+    layer, module = _layer_of(model, name)
+    leaf = name.rsplit(".", 1)[-1]
+    method = getattr(module, "quant_method", None)
+    param = getattr(module, leaf, None) if module is not None else None
+    wants = f"{param.dtype} {tuple(param.shape)}" if isinstance(param, torch.Tensor) else "no such parameter"
+    head = (
+        f"{name}: the checkpoint holds {tensor.dtype} {tuple(tensor.shape)}, but the model's {layer}.{leaf} "
+        f"({type(method).__name__ if method is not None else 'no quant method'}) is {wants}"
+    )
+    if not tensor.is_floating_point():
+        return (
+            f"{head}: the file holds a quantized layer's packed FP4 bytes while the model built the layer "
+            "in BF16, because the transformer's config.json has no usable quantization_config (missing, {}, "
+            "[] or not an object) and no quantization argument was given. Restore quantization_config "
+            "(quant_method, is_checkpoint_mxfp4_serialized / is_checkpoint_serialized: true, "
+            "ignored_layers; vllm-omni-mxfp4 merge writes it). vLLM's loader said: "
+            f"{type(exc).__name__}: {exc}"
+        )
+    return (
+        f"{head}: the tensor's shape does not match the model that config.json describes (a {leaf} of the "
+        "wrong length, or a config.json of another model). Fix or re-export the tensor, or use the "
+        f"config.json it was exported with. vLLM's loader said: {type(exc).__name__}: {exc}"
+    )
+
+
+def refuse_unknown_tensors(names: list[str], loaded: set[str]) -> None:
+    """Tensors in a quantized layer's prefix that the model did not load are an error, not skipped."""
+    quantized = {n.rsplit(".", 1)[0] for n in loaded if n.endswith(".weight_scale")}
+    unknown = [n for n in names if n not in loaded and n.rsplit(".", 1)[0] in quantized]
+    if unknown:
+        known = sorted({t.name for tensors in FORMAT_TENSORS.values() for t in tensors})
+        raise ValueError(
+            f"{len(unknown)} checkpoint tensors in the prefix of quantized Linears are unknown to the model "
+            f"and would be ignored: {unknown[:8]}. A quantized Linear loads only {known}. The checkpoint was "
+            "written for another format or tool (e.g. static activation scales), or a name is misspelt; "
+            "remove these tensors or export the checkpoint again (vllm-omni-mxfp4 merge)."
+        )
+
+
+def guarded_load_weights(model: torch.nn.Module, load_weights: Callable, weights: Iterable) -> Any:
+    """``model.load_weights(weights)`` with every vLLM loader failure named, and unknown tensors of
+    quantized layers refused (the model's loader skips names it has no parameter for)."""
+    stream = _Stream(weights)
+    try:
+        loaded = load_weights(stream)
+    except (AssertionError, RuntimeError) as exc:  # a bare assert or narrow() overflow in vLLM's loaders
+        if stream.current is None:
+            raise
+        raise ValueError(misfit_message(model, *stream.current, exc)) from exc
+    if loaded is not None:
+        refuse_unknown_tensors(stream.names, set(loaded))
+    return loaded
+
+
+def install_load_guard() -> None:
+    """Route vLLM-Omni's ``DiffusersPipelineLoader.load_weights`` through :func:`guarded_load_weights`
+    (idempotent). Every diffusion model load of the process is covered, quantized or not, so that a
+    quantized checkpoint loaded without its quantization_config is named too."""
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+
+    original = DiffusersPipelineLoader.load_weights
+    if getattr(original, "_mx_guarded", False):
+        return
+
+    @functools.wraps(original)
+    def load_weights(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        had = "load_weights" in vars(model)
+        inner = model.load_weights
+        model.load_weights = functools.partial(guarded_load_weights, model, inner)
+        try:
+            return original(self, model, *args, **kwargs)
+        finally:
+            if had:
+                model.load_weights = inner
+            else:
+                del model.load_weights
+
+    load_weights._mx_guarded = True
+    DiffusersPipelineLoader.load_weights = load_weights

@@ -15,12 +15,12 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from ..config import Mxfp4Config, Mxfp4DualScaleConfig, Precision, QuantConfig
 from ..kernels import KernelSelector
-from .linear import MxLinearMethod
+from .linear import CheckedUnquantizedLinearMethod, MxLinearMethod
 from .mxfp4 import Mxfp4LinearMethod
 from .mxfp4_dualscale import Mxfp4DualScaleLinearMethod
 
@@ -84,7 +84,7 @@ class MxQuantizationConfig(QuantizationConfig):
             return None
         route = self.config.route(prefix)
         if route.precision is Precision.BF16:
-            return UnquantizedLinearMethod()
+            return CheckedUnquantizedLinearMethod(route, self.config.METHOD)
         return self.method_class(self.config, route, prefix, self.kernels)
 
     # Attributes vLLM-Omni reads (lists, as upstream keeps them).
