@@ -131,43 +131,26 @@ def test_sglang_swapped_nibbles_are_normalised(tmp_path: Path) -> None:
     )
 
 
-def fp8_layer(tensors: dict[str, torch.Tensor], name: str) -> None:
-    """Replace an NVFP4 layer by an FP8 one (weight E4M3, float32 per-tensor scale), as ModelOpt stores FP8."""
-    for suffix in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
-        tensors.pop(f"{name}.{suffix}")
-    tensors[f"{name}.weight"] = torch.randn(64, 128).to(torch.float8_e4m3fn)
-    tensors[f"{name}.weight_scale"] = torch.tensor(0.01)
-
-
-def mixed_config(tensors: dict[str, torch.Tensor], fp8: str) -> dict:
-    layers = {
-        k.removesuffix(".weight_scale_2"): {"quant_algo": "NVFP4", "group_size": 16}
-        for k in tensors
-        if k.endswith("_2")
-    }
-    layers[fp8] = {"quant_algo": "FP8"}
-    return {
-        "producer": {"name": "modelopt"},
-        "quantization": {
-            "quant_algo": "MIXED_PRECISION",
-            "quantized_layers": layers,
-            "exclude_modules": ["proj_out"],
-        },
-    }
+def mixed_nested(tmp_path: Path) -> tuple[Path, dict]:
+    """ModelOpt's MIXED_PRECISION export with only its nested hf_quant_config.json (returned, to edit)."""
+    path = tmp_path / "mixed"
+    shutil.copytree(FIXTURES / "mixed", path)
+    (path / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel"}))
+    return path, json.loads((path / "hf_quant_config.json").read_text())
 
 
 def test_modelopt_mixed_precision_with_an_fp8_layer(tmp_path: Path) -> None:
-    tensors = modelopt_tensors()
-    fp8_layer(tensors, "blocks.0.ffn.net.2")
-    path = write_checkpoint(
-        tmp_path / "mixed", tensors, hf_quant_config=mixed_config(tensors, "blocks.0.ffn.net.2")
-    )
-    checkpoint = detect_nvfp4(path)
-    assert checkpoint.names("dequantize") == ["blocks.0.ffn.net.2"]
-    assert (
-        checkpoint.layers["blocks.0.ffn.net.2"].tensors["weight_scale"] == "blocks.0.ffn.net.2.weight_scale"
-    )
-    assert FFN in checkpoint.names("requantize")
+    """ModelOpt's own MIXED_PRECISION export (one FP8 Linear), flat and nested forms."""
+    flat = detect_nvfp4(FIXTURES / "mixed")
+    nested = detect_nvfp4(mixed_nested(tmp_path)[0])
+    for checkpoint in (flat, nested):
+        assert checkpoint.names("dequantize") == ["blocks.0.ffn.net.2"]
+        assert (
+            checkpoint.layers["blocks.0.ffn.net.2"].tensors["weight_scale"]
+            == "blocks.0.ffn.net.2.weight_scale"
+        )
+        assert FFN in checkpoint.names("requantize") and "proj_out" in checkpoint.names("keep")
+    assert flat.layers == nested.layers
 
 
 def test_compressed_tensors_config_and_excludes(tmp_path: Path) -> None:
@@ -244,18 +227,12 @@ def test_svdquant_is_refused(tmp_path: Path) -> None:
 
 
 def test_unknown_algorithms_are_refused(tmp_path: Path) -> None:
-    refused(
-        variant(tmp_path / "top", config=modelopt_config() | {"quant_algo": "NVFP8_FANCY"}),
-        "unknown quant_algo 'NVFP8_FANCY'",
-    )
-    tensors = modelopt_tensors()
-    config = mixed_config(tensors, FFN)
-    config["quantization"]["quantized_layers"][TO_Q] = {"quant_algo": "INT4_AWQ"}
-    refused(
-        write_checkpoint(tmp_path / "mixed", tensors, hf_quant_config=config),
-        TO_Q,
-        "unknown quant_algo 'INT4_AWQ'",
-    )
+    config = modelopt_config() | {"quant_algo": "NVFP8_FANCY"}
+    refused(variant(tmp_path / "top", config=config), "unknown quant_algo 'NVFP8_FANCY'")
+    path, nested = mixed_nested(tmp_path)
+    nested["quantization"]["quantized_layers"][TO_Q] = {"quant_algo": "INT4_AWQ"}
+    (path / "hf_quant_config.json").write_text(json.dumps(nested))
+    refused(path, TO_Q, "unknown quant_algo 'INT4_AWQ'")
 
 
 def test_unidentifiable_scale_layout_is_refused(tmp_path: Path) -> None:
@@ -302,15 +279,19 @@ def test_excluded_layer_stored_as_nvfp4_is_refused(tmp_path: Path) -> None:
     )
 
 
-def test_missing_global_scale_and_declared_but_unquantized_layers_are_refused(tmp_path: Path) -> None:
+def test_missing_global_scale_and_declarations_contradicting_the_tensors_are_refused(tmp_path: Path) -> None:
     tensors = modelopt_tensors()
     del tensors[f"{FFN}.weight_scale_2"]
     refused(variant(tmp_path / "global", tensors), FFN, "float32 scalar weight_scale_2")
-    tensors = modelopt_tensors()
-    config = mixed_config(tensors, "blocks.0.ffn.net.2")
-    config["quantization"]["quantized_layers"]["proj_out"] = {"quant_algo": "NVFP4"}
-    refused(
-        write_checkpoint(tmp_path / "bf16", tensors, hf_quant_config=config),
-        "blocks.0.ffn.net.2",
-        "declared FP8",
-    )
+    path, nested = mixed_nested(tmp_path)
+    layers = nested["quantization"]["quantized_layers"]
+    layers["proj_out"] = {"quant_algo": "NVFP4", "group_size": 16}
+    (path / "hf_quant_config.json").write_text(json.dumps(nested))
+    refused(path, "proj_out", "declared NVFP4 but stored as BF16")
+    del layers["proj_out"]
+    layers[FFN] = {"quant_algo": "FP8"}
+    (path / "hf_quant_config.json").write_text(json.dumps(nested))
+    refused(path, FFN, "stored as NVFP4 but declared FP8")
+    del layers[FFN]
+    (path / "hf_quant_config.json").write_text(json.dumps(nested))
+    refused(path, FFN, "stored as NVFP4 but not listed in quantized_layers")

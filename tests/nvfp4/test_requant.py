@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.nvfp4 import reference
-from vllm_omni_mxfp4.formats import dequantize_mx, e2m1_encode, pack_fp4, quantize_mx
+from vllm_omni_mxfp4.formats import dequantize_mx, pack_fp4, quantize_mx
 from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight, dequantize_nvfp4
-from vllm_omni_mxfp4.formats.requant import REQUANT_RULES, encode_e2m1, requantize_nvfp4
+from vllm_omni_mxfp4.formats.requant import REQUANT_RULES, requantize_nvfp4
 
 FIXTURES = Path(__file__).parent / "fixtures" / "modelopt"
 RULES = [r for r in REQUANT_RULES if r != "mse"]
@@ -162,20 +162,48 @@ def test_nan_scale_is_refused_naming_the_layer_and_row() -> None:
     bad = Nvfp4Weight(
         w.codes, scales.view(torch.float8_e4m3fn), w.global_scale, name="blocks.3.ffn.net.0.proj"
     )
-    with pytest.raises(ValueError, match=r"blocks\.3\.ffn\.net\.0\.proj.*row 5.*corrupt"):
+    with pytest.raises(ValueError, match=r"blocks\.3\.ffn\.net\.0\.proj.*NaN block scale in row 5.*corrupt"):
         requantize_nvfp4(bad, "mse")
     with pytest.raises(ValueError, match="rule must be one of"):
         requantize_nvfp4(w, "uos")
 
 
-def test_fast_encoder_equals_e2m1_encode() -> None:
-    """Every finite bf16 pattern, random float32 and each rounding threshold +- one ulp."""
-    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16).float()
-    gen = torch.Generator().manual_seed(9)
-    thresholds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0])
-    near = torch.cat(
-        [thresholds, torch.nextafter(thresholds, thresholds * 2), torch.nextafter(thresholds, 0 * thresholds)]
-    )
-    y = torch.cat([patterns, torch.randn(100_000, generator=gen) * 4, near, -near])
-    y = y[torch.isfinite(y)]
-    assert torch.equal(encode_e2m1(y), e2m1_encode(y))
+def awkward_weight(seed: int) -> Nvfp4Weight:
+    """Every E4M3 byte but NaN (negative, zero and subnormal scales), all-zero halves and blocks,
+    -0 codes, per-row global scales (one shared by several rows) and a divisor."""
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 48, 80  # K = 80: a partial last MX block
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    codes[::5, :8] = 0x88  # -0 -0
+    codes[3, :16] = 0
+    scales = torch.randint(0, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen)
+    scales |= torch.randint(0, 2, scales.shape, dtype=torch.uint8, generator=gen) << 7
+    g = torch.tensor([37.0, 0.0123, 2.0**-20] * (n // 3), dtype=torch.float32)
+    return Nvfp4Weight(codes, scales.view(torch.float8_e4m3fn), g, global_divides=True)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_requant_equals_quantize_mx_of_the_exact_dequant_on_awkward_weights(rule: str) -> None:
+    w = awkward_weight(seed=10)
+    result = requantize_nvfp4(w, rule)
+    data, scale = quantize_mx(dequantize_nvfp4(w), scale_rule=rule)
+    assert torch.equal(result.scale, scale)
+    assert torch.equal(result.data, data)
+
+
+def test_floor_code_zero_blocks_are_zeroed_like_quantize_mx() -> None:
+    """A block below 2^-125 gets FLOOR code 0, which zeroes it (keeping signs), as quantize_mx does."""
+    codes = torch.full((1, 16), 0x91, dtype=torch.uint8)  # 0.5 and -0.5: amax 2^-127, s * g = 2^-126
+    w = Nvfp4Weight(codes, torch.full((1, 2), 2.0**-9).to(torch.float8_e4m3fn), torch.tensor(2.0**-117))
+    result = requantize_nvfp4(w, "floor")
+    assert int(result.scale) == 0
+    assert torch.equal(result.data, quantize_mx(dequantize_nvfp4(w), scale_rule="floor")[0])
+    assert result.error.exact_blocks == 0
+
+
+@pytest.mark.parametrize("g", [2.0**-130, 2.0**121])
+def test_scales_near_the_float32_limits_are_refused(g: float) -> None:
+    scales = torch.full((1, 2), 1.0).to(torch.float8_e4m3fn)
+    w = Nvfp4Weight(torch.zeros(1, 16, dtype=torch.uint8), scales, torch.tensor(g), name="blocks.0.odd")
+    with pytest.raises(ValueError, match=r"blocks\.0\.odd.*float32 limits.*keep this layer unquantized"):
+        requantize_nvfp4(w, "mse")

@@ -1,23 +1,29 @@
 """NVFP4 -> MXFP4 requantization, one 32-element block at a time, with a per-layer error report.
 
-An NVFP4 weight (:mod:`.nvfp4`) is dequantized exactly to float32 (``order="exact"``) and each
-32-element block of a row (two adjacent NVFP4 16-blocks) gets one E8M0 exponent and E2M1 codes. The
-result is laid out exactly as :func:`~.mx.quantize_mx` lays it out: packed uint8 ``(N, K/2)``, even
-element in the low nibble, and uint8 E8M0 codes ``(N, ceil(K/32))``, so every MXFP4 Linear method
-runs it unchanged. The exponent rule is selectable:
+The result is defined on the exact float32 dequant of the NVFP4 weight (:func:`~.nvfp4.dequantize_nvfp4`,
+``order="exact"``): each 32-element block of a row (two adjacent NVFP4 16-blocks) gets one E8M0
+exponent and RNE E2M1 codes, laid out exactly as :func:`~.mx.quantize_mx` lays them out (packed
+uint8 ``(N, K/2)``, even element in the low nibble; uint8 E8M0 ``(N, ceil(K/32))``; a partial last
+block zero-padded; under ``floor`` a code-0 block is zeroed), so every MXFP4 Linear method runs it
+unchanged. The exponent rule is selectable:
 
-- ``floor``, ``even``, ``rceil``: the vendor rules of :mod:`.scale_rules`, by calling
-  :func:`~.mx.quantize_mx` on the float32 dequant (``even`` is what SGLang's requantization uses);
+- ``floor``, ``even``, ``rceil``: the vendor rules of :mod:`.scale_rules` applied to the block
+  maximum (``even`` is what SGLang's requantization uses);
 - ``mse``: per block, among the exponents ``e0 - 1, e0, e0 + 1`` (``e0`` = the ``floor`` code,
   clamped to 0..254) the one whose quantize-dequantize has the least squared error against the
-  float32 block. The set holds every code ``floor``, ``even`` and ``rceil`` can give (they are
-  ``e0`` or ``e0 + 1``), so ``mse`` is never worse than any of them on any block. Ties go to
-  ``e0`` when it is among the best (so a block ``floor`` reproduces exactly keeps ``floor``'s
-  bytes, and lossless round trips give back the original MXFP4 bytes), otherwise to the larger
-  exponent (less saturation).
+  float32 block. The set holds every code ``floor``, ``even`` and ``rceil`` can give (``e0`` or
+  ``e0 + 1``), so ``mse`` is never worse than any of them on any block. Ties go to ``e0`` when it
+  is among the best (a block ``floor`` reproduces exactly keeps ``floor``'s bytes, so lossless
+  round trips give back the original MXFP4 bytes), otherwise to the larger exponent.
 
-Rows are processed in chunks (:func:`~.nvfp4.row_slices`): the extra memory of a whole layer is
-the packed result plus one chunk of float32 temporaries, far below one layer in float32.
+How, without a float32 copy of the layer: an element's result depends only on its 4-bit code, its
+E4M3 scale byte, the global scale and the block exponent, and within a 16-element half the
+exponent matters only through its offset ``d`` from the half's own natural exponent, which can
+only take a few values (:data:`SHIFTS`). So one set of tables per global-scale value, built with
+the exact dequant and :func:`~.e2m1.e2m1_encode` themselves, maps ``(scale byte, d, input byte)`` to
+the output byte, its squared error and its largest error; requantizing a layer is then table
+gathers over its bytes, in row chunks. The tests check the result against an independent float64
+reference and against ``quantize_mx`` of the float32 dequant.
 """
 
 from __future__ import annotations
@@ -30,15 +36,25 @@ import torch
 
 from vllm_omni_mxfp4 import spec
 
-from .e2m1 import e2m1_decode, e2m1_encode, pack_fp4
-from .mx import dequantize_mx, quantize_mx
-from .nvfp4 import Nvfp4Weight, dequantize_rows, row_slices
-from .scale_rules import shared_exponent_codes
+from .e2m1 import e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
+from .nvfp4 import Nvfp4Weight, dequantize_nvfp4, row_slices
+from .scale_rules import e8m0_to_float, shared_exponent_codes
 
 REQUANT_RULES = ("floor", "even", "rceil", "mse")
 """The exponent rules :func:`requantize_nvfp4` accepts."""
 
 MX_BLOCK = spec.MX_BLOCK
+HALF = spec.NVFP4_BLOCK
+SHIFTS = tuple(range(-6, 8))
+"""Offsets ``d`` = block exponent - the half's natural exponent (the ``floor`` code of 6 * s * g).
+A block exponent is at least ``floor(amax) - 1`` and a nonzero half's amax is at least 1/12 of its
+6 * s * g, so ``d >= -5``; the half's elements are below 2^(3 - d) times the block scale, so from
+``d = 5`` on all of them round to +-0: larger offsets are looked up at ``d = 5``, and the slots up
+to ``d = 7`` let ``mse`` reach its two upper candidates by adding one or two slots."""
+TOP = SHIFTS.index(5)
+SLOTS = len(SHIFTS) + 1
+ZEROED = len(SHIFTS)
+"""The last slot: FLOOR's zeroed blocks (code 0)."""
 
 
 @dataclass(frozen=True)
@@ -74,145 +90,201 @@ class Requantized:
     error: RequantError
 
 
+# ------------------------------------------------------------------------------------ tables
+
+
+@functools.cache
+def _byte_codes() -> torch.Tensor:
+    """int64 ``(256, 2)``: the two 4-bit codes of every byte, even (low nibble) first."""
+    return unpack_fp4(torch.arange(256, dtype=torch.uint8).reshape(256, 1)).long()
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """Lookup tables for one global scale (see the module docstring).
+
+    ``magnitude`` (256 scale bytes, 8): the float32 |value| of each magnitude code; ``natural``
+    (256,): the half's natural exponent; ``out`` / ``sse`` / ``max_err`` (256, slots, 256 bytes):
+    output byte, float64 squared error and float32 largest |error| of a byte; ``ref2`` (256, 256):
+    float64 sum of squares of a byte's two values; ``out_of_range`` (256,): scale bytes whose
+    6 * s * g is nonzero but below 2^-124 or at least 2^123, where a slot's code would leave
+    0..254 and the tables do not hold.
+    """
+
+    magnitude: torch.Tensor
+    natural: torch.Tensor
+    out: torch.Tensor
+    sse: torch.Tensor
+    max_err: torch.Tensor
+    ref2: torch.Tensor
+    out_of_range: torch.Tensor
+
+
+def _element_tables(values: torch.Tensor, natural: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 codes and float32 errors ``(256, slots, 16)`` of every (scale byte, slot, code)."""
+    shift = torch.tensor(SHIFTS, dtype=torch.int32)
+    code = (natural.unsqueeze(1) + shift).clamp(0, 254).unsqueeze(-1)  # (256, shifts, 1)
+    x = values.unsqueeze(1)  # (256, 1, 16)
+    q = e2m1_encode(x * e8m0_to_float(254 - code))  # x * 2^(127 - code), exact
+    err = e2m1_decode(q) * e8m0_to_float(code) - x
+    q_zero = e2m1_encode(x * 0.0)  # FLOOR's code 0 zeroes the block, keeping each sign
+    return torch.cat((q, q_zero), dim=1), torch.cat((err, -x), dim=1)
+
+
+@functools.lru_cache(maxsize=8)
+def _tables(g: float, divides: bool, device: torch.device) -> _Tables:
+    """The tables of global scale ``g`` (a multiplier, or a divisor with ``divides``), built with the
+    exact dequant of every (scale byte, code) pair."""
+    codes = pack_fp4(torch.arange(16, dtype=torch.uint8).expand(256, 16))
+    scales = torch.arange(256, dtype=torch.uint8).reshape(256, 1).view(torch.float8_e4m3fn)
+    values = dequantize_nvfp4(Nvfp4Weight(codes, scales, torch.tensor(g, dtype=torch.float32), divides))
+    values = torch.nan_to_num(values)  # NaN scale bytes: refused before any lookup
+    natural = shared_exponent_codes(values[:, 7].abs(), "floor")
+    q, err = _element_tables(values, natural)
+    lo, hi = _byte_codes()[:, 0], _byte_codes()[:, 1]
+    out = q[:, :, lo] | (q[:, :, hi] << 4)
+    sse = err[:, :, lo].double().square() + err[:, :, hi].double().square()
+    max_err = torch.maximum(err[:, :, lo].abs(), err[:, :, hi].abs())
+    ref2 = values[:, lo].double().square() + values[:, hi].double().square()
+    out_of_range = ((natural == 0) & (values[:, 7] != 0)) | (natural > 254 - SHIFTS[-1])
+    tables = (values[:, :8].abs(), natural, out, sse, max_err, ref2, out_of_range)
+    return _Tables(*(t.to(device) for t in tables))
+
+
+# ---------------------------------------------------------------------------- one row chunk
+
+
+@functools.cache
+def _byte_max_magnitude(device: torch.device) -> torch.Tensor:
+    """uint8 (256,): the larger magnitude code (0..7) of a byte's two elements."""
+    return (_byte_codes() & 7).amax(dim=1).to(torch.uint8).to(device)
+
+
+def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table.flatten()[index]`` for an int64 index tensor of any shape."""
+    return table.reshape(-1).index_select(0, index.reshape(-1)).reshape(index.shape)
+
+
+def _block_amax(t: _Tables, data: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """float32 ``(R, G)`` block maxima from bytes ``(R, 2G, 8)`` and scale bytes ``(R, 2G)``."""
+    mag = _gather(_byte_max_magnitude(data.device), data).amax(dim=-1)  # (R, 2G)
+    half_amax = _gather(t.magnitude, s * 8 + mag.long())
+    return half_amax.reshape(s.shape[0], -1, 2).amax(dim=-1)
+
+
+def _slot_index(t: _Tables, s: torch.Tensor, data: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """int64 flat table index ``(R, 2G, 8)`` of every byte for block codes ``code`` ``(R, G)``."""
+    d = code.repeat_interleave(2, dim=1) - _gather(t.natural, s)
+    slot = (d - SHIFTS[0]).clamp_(0, TOP)
+    return ((s * SLOTS + slot) * 256).unsqueeze(-1) + data
+
+
+def _block_sse(t: _Tables, index: torch.Tensor) -> torch.Tensor:
+    """float64 ``(R, G)`` squared error of each block for the byte indices ``index`` ``(R, 2G, 8)``."""
+    return _gather(t.sse, index).reshape(index.shape[0], -1, MX_BLOCK // 2).sum(dim=-1)
+
+
+def _mse_codes(t: _Tables, s: torch.Tensor, data: torch.Tensor, amax: torch.Tensor):
+    """The ``mse`` rule: int32 codes ``(R, G)``, their byte indices and block errors (float64).
+
+    The candidates e0 - 1, e0, e0 + 1 are consecutive table slots, so one index serves all three;
+    e0 - 1 does not exist for e0 = 0.
+    """
+    e0 = shared_exponent_codes(amax, "floor")
+    low = _slot_index(t, s, data, e0 - 1)
+    sse = torch.stack([_block_sse(t, low + 256 * j) for j in range(3)], dim=-1)
+    sse[..., 0].masked_fill_(e0 == 0, math.inf)
+    best = sse.amin(dim=-1)
+    pick = torch.where(sse[..., 1] == best, 1, torch.where(sse[..., 2] == best, 2, 0))
+    index = low + 256 * pick.repeat_interleave(2, dim=1).unsqueeze(-1)
+    return e0 - 1 + pick.int(), index, sse.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+
+
 class _ErrorSums:
     """Running sums of the error report over row chunks (squares summed in float64)."""
 
     def __init__(self) -> None:
-        self.err2 = 0.0
-        self.ref2 = 0.0
-        self.max_abs = 0.0
-        self.exact = 0
-        self.blocks = 0
+        self.err2 = self.ref2 = self.max_abs = 0.0
+        self.exact = self.blocks = 0
 
-    def add(self, ref: torch.Tensor, ref2: float, data: torch.Tensor, scale: torch.Tensor) -> None:
-        """Compare one chunk's MXFP4 result ``(data, scale)`` with its float32 reference ``ref``
-        (whose float64 sum of squares is ``ref2``)."""
-        diff = dequantize_mx(data, scale).sub_(ref)
-        self.err2 += float(diff.double().square_().sum())
-        self.ref2 += ref2
-        self.max_abs = max(self.max_abs, float(diff.abs().max()))
-        exact = _blocks(diff == 0, scale.shape[-1]).all(dim=-1)
-        self.exact += int(exact.sum())
-        self.blocks += exact.numel()
+    def add(self, t: _Tables, index: torch.Tensor, s: torch.Tensor, data: torch.Tensor, sse=None) -> None:
+        """Add a chunk whose bytes were requantized through the table indices ``index`` (``sse``:
+        the block errors when the caller has them already)."""
+        sse = _block_sse(t, index) if sse is None else sse
+        self.err2 += float(sse.sum())
+        self.ref2 += float(_gather(t.ref2, (s * 256).unsqueeze(-1) + data).sum())
+        self.max_abs = max(self.max_abs, float(_gather(t.max_err, index).max()))
+        self.exact += int((sse == 0).sum())
+        self.blocks += sse.numel()
 
     def report(self, name: str, rule: str) -> RequantError:
         rel = math.sqrt(self.err2 / self.ref2) if self.ref2 else math.sqrt(self.err2)
         return RequantError(name, rule, rel, self.max_abs, self.exact, self.blocks)
 
 
-def _blocks(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``(R, K)`` -> ``(R, groups, 32)``, zero-padding (or False-padding) a partial last block."""
-    pad = groups * MX_BLOCK - x.shape[-1]
-    if pad:
-        fill = True if x.dtype == torch.bool else 0
-        x = torch.nn.functional.pad(x, (0, pad), value=fill)
-    return x.reshape(x.shape[0], groups, MX_BLOCK)
+def _requant_chunk(t: _Tables, codes: torch.Tensor, scales: torch.Tensor, rule: str, sums: _ErrorSums):
+    """MXFP4 ``(data (R, K/2), scale (R, G))`` of NVFP4 rows ``codes`` / scale bytes ``scales``."""
+    r, half_k = codes.shape
+    groups = spec.ceil_div(half_k * 2, MX_BLOCK)
+    pad = groups * MX_BLOCK // 2 - half_k
+    data = torch.nn.functional.pad(codes, (0, pad)).reshape(r, 2 * groups, HALF // 2).long()
+    s = torch.nn.functional.pad(scales.long(), (0, pad // (HALF // 2)))
+    amax = _block_amax(t, data, s)
+    if rule == "mse":
+        code, index, sse = _mse_codes(t, s, data, amax)
+    else:
+        code, sse = shared_exponent_codes(amax, rule), None
+        index = _slot_index(t, s, data, code)
+    if rule == "floor" and bool((code == 0).any()):  # quantize_mx's FLOOR: code 0 zeroes the block
+        zeroed = ((s * SLOTS + ZEROED) * 256).unsqueeze(-1) + data
+        index = torch.where((code == 0).repeat_interleave(2, dim=1).unsqueeze(-1), zeroed, index)
+    sums.add(t, index, s, data, sse)
+    return _gather(t.out, index).reshape(r, -1)[:, :half_k], code.to(torch.uint8)
 
 
-def _candidates(blocks: torch.Tensor) -> torch.Tensor:
-    """int32 ``(R, G, 3)`` candidate E8M0 codes ``e0 - 1, e0, e0 + 1`` (clamped), ``e0`` the floor code."""
-    e0 = shared_exponent_codes(blocks.abs().amax(dim=-1), "floor")
-    return torch.stack((e0 - 1, e0, e0 + 1), dim=-1).clamp_(0, 254)
+# ------------------------------------------------------------------------------------ public
 
 
-def _pow2(exponent: torch.Tensor) -> torch.Tensor:
-    """float32 ``2 ** exponent`` for int32 exponents in [-127, 127], exact (subnormal 2^-127 included)."""
-    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent)
-
-
-@functools.cache
-def _encode_table(device: torch.device) -> torch.Tensor:
-    """uint8 ``(65536,)``: :func:`~.e2m1.e2m1_encode` of every bfloat16 bit pattern."""
-    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16)
-    return e2m1_encode(patterns.float()).to(device)
-
-
-@functools.cache
-def _decode_table(device: torch.device) -> torch.Tensor:
-    """float32 ``(16,)``: :func:`~.e2m1.e2m1_decode` of every E2M1 code."""
-    return e2m1_decode(torch.arange(16, dtype=torch.uint8)).to(device)
-
-
-def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``table[index]`` for an integer index tensor of any shape (one flat ``index_select``)."""
-    return table.index_select(0, index.reshape(-1).to(torch.int32)).reshape(index.shape)
-
-
-def encode_e2m1(y: torch.Tensor) -> torch.Tensor:
-    """:func:`~.e2m1.e2m1_encode` of finite float32 ``y``, through a table of the bf16 patterns.
-
-    The top 16 bits of a float32 are its bf16 truncation; OR-ing the 16 dropped bits into the last
-    kept bit (a sticky bit) keeps every E2M1 rounding decision (thresholds have at most three
-    mantissa bits) as the full value would, so one table lookup replaces the threshold compares.
-    The requantizer encodes three candidates per block, hence the fast path.
-    """
-    bits = y.view(torch.int32)
-    index = ((bits >> 16) & 0xFFFF) | ((bits & 0xFFFF) != 0).to(torch.int32)
-    return _lookup(_encode_table(y.device), index)
-
-
-def _pick(sse: torch.Tensor) -> torch.Tensor:
-    """Index (0..2) of the best candidate per block: ``e0`` (1) on a tie, else the larger exponent."""
-    best = sse.amin(dim=-1)
-    pick = torch.where(sse[..., 2] == best, 2, 0)
-    return torch.where(sse[..., 1] == best, 1, pick)
-
-
-def _mse_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mse`` rule on float32 ``(R, G, 32)`` blocks: (E2M1 codes ``(R, G, 32)``, E8M0 codes ``(R, G)``).
-
-    The squared errors are summed in float64 from exact float32 differences, so near-ties are
-    decided as a float64 reference would.
-    """
-    cands = _candidates(blocks)
-    decode = _decode_table(blocks.device)
-    codes, sse = [], []
-    for j in range(cands.shape[-1]):
-        c = cands[..., j : j + 1]
-        q = encode_e2m1(blocks * _pow2(127 - c))
-        err = _lookup(decode, q).mul_(_pow2(c - 127)).sub_(blocks)
-        codes.append(q)
-        sse.append(err.double().square_().sum(dim=-1))
-    pick = _pick(torch.stack(sse, dim=-1))
-    q = torch.stack(codes, dim=-2).gather(-2, pick[..., None, None].expand(*pick.shape, 1, MX_BLOCK))
-    return q.squeeze(-2), cands.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
-
-
-def quantize_mx_mse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP4 of float32 rows ``x`` ``(R, K)`` (K even) under the ``mse`` rule, laid out as ``quantize_mx``."""
-    r, k = x.shape
-    groups = spec.ceil_div(k, MX_BLOCK)
-    q, scale = _mse_blocks(_blocks(x, groups))
-    return pack_fp4(q.reshape(r, groups * MX_BLOCK)[:, :k]), scale.to(torch.uint8)
-
-
-def _square_sum(ref: torch.Tensor, w: Nvfp4Weight, rows: slice) -> float:
-    """float64 sum of squares of a dequantized chunk; refuses NaN / Inf (an E4M3 NaN block scale),
-    which MXFP4 would turn into a NaN block, naming the layer and the first bad row."""
-    total = float(ref.double().square_().sum())
-    if not math.isfinite(total):
-        row = rows.start + int((~torch.isfinite(ref)).any(dim=-1).nonzero()[0])
+def _check_scales(w: Nvfp4Weight) -> None:
+    """Refuse E4M3 NaN block scales (0x7F / 0xFF): MXFP4 would turn them into a NaN block."""
+    nan = (w.scales.view(torch.uint8) & 0x7F) == 0x7F
+    if bool(nan.any()):
+        row = int(nan.any(dim=-1).nonzero()[0])
         raise ValueError(
-            f"{w.name}: the NVFP4 weight dequantizes to NaN/Inf in row {row} (an E4M3 NaN block scale); "
-            "the checkpoint is corrupt; re-export it or keep this layer unquantized"
+            f"{w.name}: NaN block scale in row {row} (E4M3 0x7F/0xFF); the checkpoint is corrupt; "
+            "re-export it or keep this layer unquantized"
         )
-    return total
+
+
+def _row_groups(w: Nvfp4Weight) -> list[tuple[float, torch.Tensor | None]]:
+    """(global scale, rows having it) pairs; ``None`` rows = all rows (a per-tensor scale)."""
+    if w.global_scale.dim() == 0:
+        return [(float(w.global_scale), None)]
+    values, inverse = torch.unique(w.global_scale, return_inverse=True)
+    return [(float(v), (inverse == i).nonzero().squeeze(1)) for i, v in enumerate(values.tolist())]
 
 
 def requantize_nvfp4(w: Nvfp4Weight, rule: str = "mse") -> Requantized:
     """Requantize an NVFP4 weight to MXFP4 under ``rule`` (module docstring), with its error report."""
     if rule not in REQUANT_RULES:
         raise ValueError(f"rule must be one of {list(REQUANT_RULES)}, got {rule!r}")
+    _check_scales(w)
     n, k = w.shape
     data = torch.empty((n, k // 2), dtype=torch.uint8, device=w.codes.device)
     scale = torch.empty((n, spec.ceil_div(k, MX_BLOCK)), dtype=torch.uint8, device=w.codes.device)
     sums = _ErrorSums()
-    for rows in row_slices(n, k):
-        ref = dequantize_rows(w, rows, "exact")
-        ref2 = _square_sum(ref, w, rows)
-        if rule == "mse":
-            data[rows], scale[rows] = quantize_mx_mse(ref)
-        else:
-            data[rows], scale[rows] = quantize_mx(ref, scale_rule=rule)
-        sums.add(ref, ref2, data[rows], scale[rows])
+    scale_bytes = w.scales.view(torch.uint8)
+    for g, rows in _row_groups(w):
+        t = _tables(g, w.global_divides, w.codes.device)
+        codes = w.codes if rows is None else w.codes.index_select(0, rows)
+        sbytes = scale_bytes if rows is None else scale_bytes.index_select(0, rows)
+        if bool(_gather(t.out_of_range, sbytes.long()).any()):
+            raise ValueError(
+                f"{w.name}: 6 x block scale x global scale outside [2^-124, 2^123) (weights near the "
+                "float32 limits) cannot be requantized; keep this layer unquantized"
+            )
+        for chunk in row_slices(codes.shape[0], k):
+            out, code = _requant_chunk(t, codes[chunk], sbytes[chunk], rule, sums)
+            target = chunk if rows is None else rows[chunk]
+            data[target], scale[target] = out, code
     return Requantized(data, scale, sums.report(w.name, rule))

@@ -15,6 +15,8 @@ It writes, under the output directory:
   ``NVFP4_DEFAULT_CFG`` (layout A: ``config.json`` with the flat ``quantization_config``);
   plus ``hf_quant_config.json``, ModelOpt's nested form of the same config (``get_quant_config``);
 - ``w4a16/``: the same with ``W4A16_NVFP4_CFG`` (weight-only, no ``input_scale``);
+- ``mixed/``: NVFP4 with ``blocks.0.ffn.net.2`` in FP8 (:data:`FP8_FFN_OUT`): ModelOpt's
+  ``MIXED_PRECISION`` export, flat in ``config.json`` and nested in ``hf_quant_config.json``;
 - ``swizzled/``: the NVFP4 export post-processed for single-file runtimes (``padding_strategy="row"``,
   ``enable_swizzle_layout``, ``enable_layerwise_quant_metadata``: 128x4 blocked scales and the
   config in the safetensors header);
@@ -60,6 +62,11 @@ CONV3D_ENTRY = {
     "cfg": {"num_bits": [4, 3]},
     "enable": False,
 }
+FP8_FFN_OUT = [
+    {"quantizer_name": "*ffn.net.2.weight_quantizer", "cfg": {"num_bits": [4, 3], "axis": None}},
+    {"quantizer_name": "*ffn.net.2.input_quantizer", "cfg": {"num_bits": [4, 3], "axis": None}},
+]
+"""Entries that make one Linear FP8 in an otherwise NVFP4 config: ModelOpt then exports MIXED_PRECISION."""
 LOSSLESS_SHAPE = (64, 256)
 
 
@@ -83,13 +90,13 @@ def calibrate(model: torch.nn.Module) -> None:
         )
 
 
-def export(cfg: dict, out: Path, **post) -> torch.nn.Module:
-    """Quantize a fresh tiny Wan with ``cfg`` (+ the Conv3d entry) and export it to ``out``."""
+def export(cfg: dict, out: Path, extra: list | None = None, **post) -> torch.nn.Module:
+    """Quantize a fresh tiny Wan with ``cfg`` (+ the Conv3d entry and ``extra`` entries) and export it."""
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
 
     cfg = copy.deepcopy(cfg)
-    cfg["quant_cfg"].append(CONV3D_ENTRY)
+    cfg["quant_cfg"].extend([CONV3D_ENTRY, *(extra or [])])
     model = mtq.quantize(tiny_wan(), cfg, forward_loop=calibrate)
     shutil.rmtree(out, ignore_errors=True)
     with torch.no_grad():
@@ -159,6 +166,8 @@ def main(out: Path) -> None:
     model = export(mtq.NVFP4_DEFAULT_CFG, out / "nvfp4")
     (out / "nvfp4" / "hf_quant_config.json").write_text(json.dumps(nested_config(model), indent=1) + "\n")
     export(mtq.W4A16_NVFP4_CFG, out / "w4a16")
+    mixed = export(mtq.NVFP4_DEFAULT_CFG, out / "mixed", extra=FP8_FFN_OUT)
+    (out / "mixed" / "hf_quant_config.json").write_text(json.dumps(nested_config(mixed), indent=1) + "\n")
     export(
         mtq.NVFP4_DEFAULT_CFG,
         out / "swizzled",

@@ -1,0 +1,120 @@
+"""NVFP4 -> MXFP4 requantization speed and memory, next to BF16 -> MXFP4 quantization in the same run.
+
+    python bench/requant.py [--shape 13824 5120] [--rules floor even rceil mse] [--repeats 3]
+
+Builds one NVFP4 weight of ``--shape`` (default: Wan2.2-A14B's largest Linear, ``ffn.net.0``) from a
+random BF16 weight, then times :func:`~vllm_omni_mxfp4.formats.requant.requantize_nvfp4` per rule
+(dequant, requant and the error report) and ``quantize_mx`` of the same BF16 weight (what online
+BF16 -> MXFP4 quantization of the layer costs). It reports weights per second and the ratio to
+``quantize_mx`` (best of ``--repeats`` runs; machines here are shared and noisy: compare ratios), and the peak extra resident
+memory of each call (RSS sampled every millisecond, above the RSS before the call, inputs already
+allocated) next to the layer's MXFP4 output and to one layer in float32 (the budget: peak extra
+<= one float32 layer, 283 MB for 13824 x 5120).
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from collections.abc import Callable
+
+import psutil
+import torch
+
+from vllm_omni_mxfp4 import spec
+from vllm_omni_mxfp4.formats import e2m1_encode, pack_fp4, quantize_mx
+from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight
+from vllm_omni_mxfp4.formats.requant import REQUANT_RULES, requantize_nvfp4
+
+
+def nvfp4_of(w: torch.Tensor) -> Nvfp4Weight:
+    """NVFP4 of a BF16 weight the way ModelOpt makes it: g = amax / (6 * 448), per-16 E4M3 scales."""
+    x = w.float().reshape(w.shape[0], -1, spec.NVFP4_BLOCK)
+    g = x.abs().amax() / (spec.E2M1_MAX * spec.E4M3_MAX)
+    s = (x.abs().amax(-1) / (spec.E2M1_MAX * g)).clamp(2**-9, spec.E4M3_MAX).to(torch.float8_e4m3fn)
+    codes = e2m1_encode(x / (s.float().unsqueeze(-1) * g)).reshape(w.shape)
+    return Nvfp4Weight(pack_fp4(codes), s, g.reshape(()).float(), name="ffn.net.0.proj")
+
+
+class PeakRss:
+    """Peak resident memory above the level at entry, sampled every millisecond in a thread."""
+
+    def __enter__(self) -> PeakRss:
+        self._proc = psutil.Process()
+        self.base = self._proc.memory_info().rss
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def measure(fn: Callable[[], object], repeats: int) -> tuple[float, int]:
+    """(best seconds, largest peak extra RSS in bytes) of ``fn`` over ``repeats`` runs after a warm-up
+    (which also builds the requantizer's lookup tables, so they are not counted). The best time,
+    not the median: other jobs share these cores, and they only ever add time."""
+    fn()
+    times, extra = [], 0
+    for _ in range(repeats):
+        with PeakRss() as rss:
+            start = time.perf_counter()
+            result = fn()
+            times.append(time.perf_counter() - start)
+            del result
+        extra = max(extra, rss.extra)
+    return min(times), extra
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", type=int, nargs=2, default=[13824, 5120], metavar=("N", "K"))
+    parser.add_argument("--rules", nargs="+", default=list(REQUANT_RULES), choices=REQUANT_RULES)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    n, k = args.shape
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).bfloat16()
+    nv = nvfp4_of(w)
+    fp32_layer, mx_out = n * k * 4, n * k // 2 + n * spec.ceil_div(k, spec.MX_BLOCK)
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, layer {n}x{k} ({n * k / 1e6:.1f}M weights)"
+    )
+    print(f"one layer in float32: {fp32_layer / 1e6:.0f} MB; MXFP4 output: {mx_out / 1e6:.0f} MB")
+    header = f"{'op':<28} {'s':>8} {'Mweights/s':>11} {'x quantize_mx':>14} {'peak extra MB':>14} {'/ fp32 layer':>13}"
+    print(header)
+    print("-" * len(header))
+    base_t, base_mem = measure(lambda: quantize_mx(w, scale_rule="floor"), args.repeats)
+    rows = [("quantize_mx bf16 (floor)", base_t, base_mem)]
+    for rule in args.rules:
+        t, mem = measure(lambda rule=rule: requantize_nvfp4(nv, rule), args.repeats)
+        rows.append((f"requantize_nvfp4 ({rule})", t, mem))
+    for name, t, mem in rows:
+        print(
+            f"{name:<28} {t:8.2f} {n * k / t / 1e6:11.1f} {base_t / t:14.2f} {mem / 1e6:14.0f} {mem / fp32_layer:13.2f}"
+        )
+    for rule in args.rules:
+        print(requantize_nvfp4(nv, rule).error)
+    print(
+        "'x quantize_mx' = requant throughput / BF16 quantize_mx throughput in this run (>= 1: requant is "
+        "at least as fast); peak extra includes the MXFP4 output."
+    )
+
+
+if __name__ == "__main__":
+    main()
