@@ -207,3 +207,20 @@ def test_scales_near_the_float32_limits_are_refused(g: float) -> None:
     w = Nvfp4Weight(torch.zeros(1, 16, dtype=torch.uint8), scales, torch.tensor(g), name="blocks.0.odd")
     with pytest.raises(ValueError, match=r"blocks\.0\.odd.*float32 limits.*keep this layer unquantized"):
         requantize_nvfp4(w, "mse")
+
+
+def test_mse_ties_keep_the_floor_exponent() -> None:
+    """Blocks of codes {0, 1, 2, 3, 4, 6} x 2^k are exact at the floor exponent and one above: the
+    tie keeps floor's bytes (as the lossless round trip needs); all-zero blocks keep code 0."""
+    gen = torch.Generator().manual_seed(11)
+    coarse = torch.tensor([0, 2, 4, 5, 6, 7, 8, 10, 12, 13, 14, 15], dtype=torch.uint8)
+    codes = coarse[torch.randint(0, 12, (8, 64), generator=gen)]
+    codes[:, 5] = 7  # a 6.0 in every block: the floor exponent is the scales' own
+    codes[:, 37] = 7
+    codes[7] = 0
+    scales = torch.exp2(torch.randint(-4, 4, (8, 2), generator=gen).float()).repeat_interleave(2, dim=1)
+    w = Nvfp4Weight(pack_fp4(codes), scales.to(torch.float8_e4m3fn), torch.tensor(0.25))
+    mse, floor = requantize_nvfp4(w, "mse"), requantize_nvfp4(w, "floor")
+    assert mse.error.exact_blocks == mse.error.total_blocks
+    assert torch.equal(mse.scale, floor.scale) and torch.equal(mse.data, floor.data)
+    assert mse.scale[7].tolist() == [0, 0]
