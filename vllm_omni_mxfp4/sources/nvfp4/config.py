@@ -55,8 +55,7 @@ class ProducerConfig:
     ``algo`` is the top-level algorithm (``NVFP4``, ``W4A16_NVFP4``, ``MIXED_PRECISION``...);
     ``layer_algos`` the per-layer ones of ``MIXED_PRECISION``; ``excludes`` ``(key, pattern)``
     pairs; ``nibble_order`` / ``scale_layout`` the producer's declared or default conventions
-    (``None``: not declared, decided from shapes); ``global_divides``: the stored global scale is a
-    divisor (compressed-tensors).
+    (``None``: not declared, decided from shapes).
     """
 
     producer: str
@@ -66,7 +65,6 @@ class ProducerConfig:
     excludes: tuple[tuple[str, str], ...] = ()
     nibble_order: str = "low_even"
     scale_layout: str | None = None
-    global_divides: bool = False
 
     def excluded_by(self, name: str) -> str | None:
         """``"ignore pattern 'x'"`` for the first exclude pattern matching module ``name``, else None."""
@@ -181,14 +179,7 @@ def _compressed_tensors(cfg: Mapping[str, Any], origin: str) -> ProducerConfig |
     for group in groups.values():
         if group.get("format", cfg.get("format")) == CT_NVFP4_FORMAT:
             _check_group_size((group.get("weights") or {}).get("group_size"), origin)
-    return ProducerConfig(
-        CT_METHOD,
-        origin,
-        "NVFP4",
-        excludes=_excludes(cfg, origin),
-        scale_layout="linear",
-        global_divides=True,
-    )
+    return ProducerConfig(CT_METHOD, origin, "NVFP4", excludes=_excludes(cfg, origin), scale_layout="linear")
 
 
 def parse_quant_config(cfg: Mapping[str, Any], origin: str) -> ProducerConfig | None:

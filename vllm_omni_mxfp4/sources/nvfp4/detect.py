@@ -44,7 +44,8 @@ SVDQUANT_PARAMS = (
     "wscales",
     "smooth_factor",
 )
-GLOBAL_PARAMS = {False: "weight_scale_2", True: "weight_global_scale"}
+GLOBAL_MULTIPLIER = "weight_scale_2"
+GLOBAL_DIVISOR = "weight_global_scale"
 COMFY_MARKER = "comfy_quant"
 COMFY_DEQUANT_FORMATS = ("float8_e4m3fn", "mxfp8")
 COMFY_CONVENTIONS = {"nibble_order": "high_even", "scale_layout": "swizzled"}
@@ -190,17 +191,20 @@ def _scale_layouts(n: int, k: int, scale: TensorInfo, name: str) -> set[str]:
     raise SourceError(name, reason, "the file is not a supported NVFP4 layout; re-export it")
 
 
-def _nvfp4_roles(name: str, params: Mapping[str, str], tensors: Mapping[str, TensorInfo], divides: bool):
+def _nvfp4_roles(name: str, params: Mapping[str, str], tensors: Mapping[str, TensorInfo]) -> dict[str, str]:
     """Checkpoint keys of an NVFP4 layer's tensors by role, refusing a missing or odd global scale
-    and a ``pre_quant_scale`` that is not a ``(K,)`` input multiplier."""
-    weight = params.get("weight_packed" if divides else "weight")
+    and a ``pre_quant_scale`` that is not a ``(K,)`` input multiplier. The global scale's name says
+    its kind: ``weight_scale_2`` multiplies, compressed-tensors' ``weight_global_scale`` divides."""
+    weight = params.get("weight_packed") or params["weight"]
     k = tensors[weight].shape[1] * 2
     roles = {"weight": weight, "weight_scale": params["weight_scale"]}
-    glob = params.get(GLOBAL_PARAMS[divides])
+    glob = params.get(GLOBAL_DIVISOR) or params.get(GLOBAL_MULTIPLIER)
     if glob is None or tensors[glob].shape not in ((), (1,)) or tensors[glob].dtype != "F32":
         found = tensors[glob] if glob else "nothing"
         raise SourceError(
-            name, f"NVFP4 needs a float32 scalar {GLOBAL_PARAMS[divides]}, found {found}", "re-export it"
+            name,
+            f"NVFP4 needs a float32 scalar {GLOBAL_MULTIPLIER} or {GLOBAL_DIVISOR}, found {found}",
+            "re-export it",
         )
     roles["global_scale"] = glob
     pre = params.get("pre_quant_scale")
@@ -237,10 +241,16 @@ def _check_declared(name: str, config: ProducerConfig, marker: Mapping[str, Any]
     return algo
 
 
-def _nvfp4_layer(name, params, tensors, config, marker) -> tuple[LayerSource, set[str]]:
+def _nvfp4_layer(
+    name: str,
+    params: Mapping[str, str],
+    tensors: Mapping[str, TensorInfo],
+    config: ProducerConfig,
+    marker: Mapping[str, Any] | None,
+) -> tuple[LayerSource, set[str]]:
     """An NVFP4 layer (to requantize) and the scale layouts its shapes allow."""
     algo = _check_declared(name, config, marker)
-    roles = _nvfp4_roles(name, params, tensors, config.global_divides)
+    roles = _nvfp4_roles(name, params, tensors)
     n, half_k = tensors[roles["weight"]].shape
     layouts = _scale_layouts(n, half_k * 2, tensors[roles["weight_scale"]], name)
     declared = config.scale_layout
@@ -254,7 +264,7 @@ def _nvfp4_layer(name, params, tensors, config, marker) -> tuple[LayerSource, se
     layout = declared if declared is not None else (next(iter(layouts)) if len(layouts) == 1 else None)
     source = LayerSource(
         name, "requantize", algo, f"NVFP4 by {config.producer}", roles, (n, half_k * 2),
-        config.nibble_order, layout, config.global_divides,
+        config.nibble_order, layout, roles["global_scale"].endswith(GLOBAL_DIVISOR),
     )  # fmt: skip
     return source, layouts
 
