@@ -192,7 +192,7 @@ def _mse_codes(t: _Tables, s: torch.Tensor, data: torch.Tensor, amax: torch.Tens
     """
     e0 = shared_exponent_codes(amax, "floor")
     low = _slot_index(t, s, data, e0 - 1)
-    sse = torch.stack([_block_sse(t, low + 256 * j) for j in range(3)], dim=-1)
+    sse = torch.stack([_block_sse(t, low + 256 * j if j else low) for j in range(3)], dim=-1)
     sse[..., 0].masked_fill_(e0 == 0, math.inf)
     best = sse.amin(dim=-1)
     pick = torch.where(sse[..., 1] == best, 1, torch.where(sse[..., 2] == best, 2, 0))
@@ -227,8 +227,10 @@ def _requant_chunk(t: _Tables, codes: torch.Tensor, scales: torch.Tensor, rule: 
     r, half_k = codes.shape
     groups = spec.ceil_div(half_k * 2, MX_BLOCK)
     pad = groups * MX_BLOCK // 2 - half_k
-    data = torch.nn.functional.pad(codes, (0, pad)).reshape(r, 2 * groups, HALF // 2).long()
-    s = torch.nn.functional.pad(scales.long(), (0, pad // (HALF // 2)))
+    data, s = codes.long(), scales.long()
+    if pad:  # a partial last MX block: one more half of zero codes with scale byte 0
+        data, s = torch.nn.functional.pad(data, (0, pad)), torch.nn.functional.pad(s, (0, 1))
+    data = data.reshape(r, 2 * groups, HALF // 2)
     amax = _block_amax(t, data, s)
     if rule == "mse":
         code, index, sse = _mse_codes(t, s, data, amax)
