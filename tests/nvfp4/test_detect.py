@@ -295,3 +295,25 @@ def test_missing_global_scale_and_declarations_contradicting_the_tensors_are_ref
     del layers[FFN]
     (path / "hf_quant_config.json").write_text(json.dumps(nested))
     refused(path, FFN, "stored as NVFP4 but not listed in quantized_layers")
+
+
+def test_every_exclude_key_is_read_with_glob_and_regex_patterns() -> None:
+    config = parse_quant_config(
+        {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "ignore": ["proj_out"],
+            "exclude_modules": ["*.norm_out.*"],
+            "exclude": ["re:blocks\\.3\\.ffn"],
+        },
+        "config.json quantization_config",
+    )
+    assert config.excluded_by("proj_out") == "ignore pattern 'proj_out'"
+    assert config.excluded_by("x.norm_out.linear") == "exclude_modules pattern '*.norm_out.*'"
+    assert config.excluded_by("blocks.3.ffn.net.0.proj") == "exclude pattern 're:blocks\\\\.3\\\\.ffn'"
+    assert config.excluded_by("blocks.13.ffn.net.0.proj") is None  # re: matches from the start
+    with pytest.raises(SourceError, match=r"config\.json quantization_config: 'ignore' must be a list"):
+        parse_quant_config(
+            {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": "proj_out"},
+            "config.json quantization_config",
+        )
