@@ -152,12 +152,19 @@ ONLINE_VALUES = {
     "bf16_layer_weight_inf": (
         {"method": "mxfp4", "ignored_layers": ["blocks.0.attn2.to_k"]},
         set_value("blocks.0.attn2.to_k.weight", (4, 9), INF),
-        [r"^blocks\.0\.attn2\.to_k\.weight: 1 of 262144 values break the rule 'finite'", r"inf at index \[4, 9\]"],
+        [
+            r"^blocks\.0\.attn2\.to_k\.weight: 1 of 262144 values break the rule 'finite'",
+            r"inf at index \[4, 9\]",
+        ],
     ),
     "bf16_layer_bias_nan": (
         {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 1},
         set_value("blocks.0.ffn.net.0.proj.bias", 3, NAN),
-        [r"^blocks\.0\.ffn\.net_0\.proj\.bias: 1 of", r"nan at index \[3\]", "NaN or Inf in the original weights"],
+        [
+            r"^blocks\.0\.ffn\.net_0\.proj\.bias: 1 of",
+            r"nan at index \[3\]",
+            "NaN or Inf in the original weights",
+        ],
     ),
     "quantized_layer_weight_nan": (
         {"method": "mxfp4"},
@@ -192,7 +199,11 @@ def test_the_value_check_is_one_vectorised_pass():
             return func(*args, **(kwargs or {}))
 
     weight = torch.randn(1024, 512, dtype=torch.bfloat16)
-    for name, t in (("finite", weight), ("finite_positive", weight.abs() + 1), ("e8m0", quantize_mx(weight)[1])):
+    for name, t in (
+        ("finite", weight),
+        ("finite_positive", weight.abs() + 1),
+        ("e8m0", quantize_mx(weight)[1]),
+    ):
         with Ops() as mode:
             check_values("w", spec.VALUE_RULES[name], t)
         # one pass over the tensor (aminmax); the rule then runs on its minimum and maximum only
@@ -200,13 +211,17 @@ def test_the_value_check_is_one_vectorised_pass():
         assert "nonzero.default" not in mode.ops, mode.ops
     t = weight.clone()
     t[700, 5] = NAN
-    with pytest.raises(ValueError, match=r"w: 1 of 524288 values break the rule 'finite'.* nan at index \[700, 5\]"):
+    with pytest.raises(
+        ValueError, match=r"w: 1 of 524288 values break the rule 'finite'.* nan at index \[700, 5\]"
+    ):
         check_values("w", spec.VALUE_RULES["finite"], t)
 
 
 def test_e8m0_rule_accepts_every_code_a_quantizer_gives_finite_weights():
     rule = spec.VALUE_RULES["e8m0"]
-    big = torch.tensor([[torch.finfo(dtype).max] * 32 for dtype in (torch.float32, torch.bfloat16, torch.float16)])
+    big = torch.tensor(
+        [[torch.finfo(dtype).max] * 32 for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+    )
     for scale_rule in ("floor", "uos", "even", "rceil"):
         _, codes = quantize_mx(big, scale_rule=scale_rule)
         assert int(codes.max()) <= spec.E8M0_MAX_WEIGHT_CODE, scale_rule
@@ -216,7 +231,9 @@ def test_e8m0_rule_accepts_every_code_a_quantizer_gives_finite_weights():
 
 # ------------------------------------------------------------------ config.json against the tensors
 
-HOLDS_PACKED = r"^blocks\.\d\.[\w.]+\.weight: the checkpoint holds torch\.uint8 \(\d+, \d+\), but the model's "
+HOLDS_PACKED = (
+    r"^blocks\.\d\.[\w.]+\.weight: the checkpoint holds torch\.uint8 \(\d+, \d+\), but the model's "
+)
 NO_CONFIG = [
     HOLDS_PACKED + r"blocks\.\d\.[\w.]+\.weight \(UnquantizedLinearMethod\) is torch\.bfloat16",
     "no usable quantization_config",
@@ -243,12 +260,21 @@ MISMATCHES = {
     "other_method_forced": ("mxfp4", "mxfp4_dualscale", {}, WRONG_METHOD),
     "other_method_forced_without_config": (
         "mxfp4",
-        "mxfp4_dualscale",
+        {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0},
         {"config": quant_config(KeyError)},
         [
-            r"^blocks\.0\.attn1\.to_qkv\.weight: the mxfp4_dualscale config keeps this Linear in BF16 \(in the",
+            r"^blocks\.\d\.[\w.]+\.(weight|mul_scale)( \(fused piece '[qkv]'\))?: online mxfp4_dualscale ",
+            "is_checkpoint_serialized: true in the quantization_config",
+        ],
+    ),
+    "online_forced_with_an_ignored_layer": (
+        "mxfp4",
+        {"method": "mxfp4", "ignored_layers": ["blocks.0.attn1.to_qkv"]},
+        {"config": quant_config(KeyError), "tensors": lambda t: t.pop("blocks.0.attn1.to_q.mul_scale")},
+        [
+            r"^blocks\.0\.attn1\.to_qkv\.weight: the mxfp4 config keeps this Linear in BF16 \(listed in ignored",
             r"holds torch\.uint8 \(512, 256\)",
-            "this checkpoint is pre-quantized: omit the quantization argument",
+            "The config is online .* this checkpoint is pre-quantized: omit the quantization argument",
         ],
     ),
     "ignored_layer_is_quantized": (
@@ -265,7 +291,10 @@ MISMATCHES = {
         "mxfp4_dualscale",
         None,
         {"config": update_quant_config(ignored_layers=["blocks.0.attn1.to_qkv"])},
-        [r"^blocks\.0\.attn1\.to_qkv\.weight: the mxfp4_dualscale config keeps", r"Remove 'blocks\.0\.attn1\.to_qkv'"],
+        [
+            r"^blocks\.0\.attn1\.to_qkv\.weight: the mxfp4_dualscale config keeps",
+            r"Remove 'blocks\.0\.attn1\.to_qkv'",
+        ],
     ),
     "bias_wrong_length": (
         "mxfp4",

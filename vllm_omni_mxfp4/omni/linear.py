@@ -259,7 +259,12 @@ class MxLinearMethod(LinearMethodBase):
         if not self.online:
             return checked_tensor(where, self.tensor(name), t, k_full)
         if name != "weight":
-            raise ValueError(f"{where}: online {self.method_name} loads only BF16 weights, got '{name}'")
+            raise ValueError(
+                f"{where}: online {self.method_name} loads only BF16 weights, got '{name}' ({t.dtype} "
+                f"{tuple(t.shape)}), a tensor of a pre-quantized checkpoint; declare "
+                f"is_checkpoint_{self.serialized_infix}serialized: true in the quantization_config of the "
+                "transformer's config.json and omit the quantization argument"
+            )
         if t.dtype == torch.uint8 or t.shape[-1] != k_full:
             raise ValueError(
                 f"{where}: online {self.method_name} expects a BF16/FP16/FP32 weight (N, {k_full}), got "
@@ -391,23 +396,24 @@ class CheckedUnquantizedLinearMethod(UnquantizedLinearMethod):
     bias are finite (one vectorised pass each) before vLLM's own processing.
     """
 
-    def __init__(self, route: LayerRoute, method_name: str) -> None:
+    def __init__(self, route: LayerRoute, config: QuantConfig) -> None:
         super().__init__()
         self.route = route
-        self.method_name = method_name
+        self.config = config  # no ``method_name`` attribute: that marks an MxLinearMethod
 
     def create_weights(self, layer: torch.nn.Module, *args: Any, **extra_weight_attrs: Any) -> None:
         vllm_loader = extra_weight_attrs.pop("weight_loader")
-        prefix, why, method = self.route.prefix, self.route.reason, self.method_name
+        prefix, why, method = self.route.prefix, self.route.reason, self.config.METHOD
 
-        if "ignored_layers" in why:
+        if self.config.is_serialized:
             fix = (
                 f"Remove {prefix!r} from ignored_layers in the transformer's config.json (the merge CLI writes "
                 "that list from the export), or load a checkpoint that has this layer in BF16."
             )
         else:
             fix = (
-                "The config quantizes online from BF16 weights, but this checkpoint is pre-quantized: omit the "
+                "The config is online (it quantizes BF16 weights at load), but this checkpoint is pre-quantized: "
+                "omit the "
                 "quantization argument and give the transformer's config.json its quantization_config "
                 "(is_checkpoint_mxfp4_serialized / is_checkpoint_serialized: true; vllm-omni-mxfp4 merge writes it)."
             )

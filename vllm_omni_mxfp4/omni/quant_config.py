@@ -84,7 +84,7 @@ class MxQuantizationConfig(QuantizationConfig):
             return None
         route = self.config.route(prefix)
         if route.precision is Precision.BF16:
-            return CheckedUnquantizedLinearMethod(route, self.config.METHOD)
+            return CheckedUnquantizedLinearMethod(route, self.config)
         return self.method_class(self.config, route, prefix, self.kernels)
 
     # Attributes vLLM-Omni reads (lists, as upstream keeps them).

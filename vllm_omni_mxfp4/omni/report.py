@@ -104,7 +104,10 @@ def _linear_entry(name: str, module: Any) -> dict[str, Any]:
             precision=route.precision.value,
             w4a8_steps=list(route.a8_steps),
         )
-    elif method is None or type(method).__name__ == "UnquantizedLinearMethod":
+    elif method is None or type(method).__name__ in (
+        "UnquantizedLinearMethod",
+        "CheckedUnquantizedLinearMethod",
+    ):
         entry.update(method="bf16")
     else:
         entry.update(method=type(method).__name__)
