@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Collection, Iterable
 
-from .keys import check_layers, layer_order, unknown_name_error
+from .keys import check_layers, layer_order, show_value
 from .methods import QuantConfig
 
 
@@ -76,4 +76,10 @@ def check_component_names(names: Iterable[str], known: Iterable[str], where: str
     known = sorted(known)
     for name in names:
         if name != "default" and name not in known:
-            raise unknown_name_error(name, known, "component", "Known components", where=where)
+            close = difflib.get_close_matches(name, known, n=1) if isinstance(name, str) else []
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"Unknown component {show_value(name)}{where}.{hint} Known components: {', '.join(known)}. "
+                "Each key must name a component exactly (or be 'default'); an unmatched component "
+                "would run unquantized."
+            )

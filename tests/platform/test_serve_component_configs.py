@@ -1,0 +1,144 @@
+"""``vllm serve --omni --diffusion-quantization-config``: the user guide's per-component forms, and
+names that match nothing, on the tiny two-expert Wan2.2 (2 blocks per expert) on the CPU platform.
+
+The per-component dicts whose values are all method names (``{"transformer": "mxfp4"}``,
+``{"default": "mxfp4"}``) serve a request with exactly the experts they name quantized (the trace
+file tells the quantized Linears apart). A component key, a layer entry or a leading-block count
+that matches nothing in the built model stops the server at start-up with the message naming it.
+Every server runs in its own process group, bounded, and is reaped (the demo's runner).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omni_procs import RunFailed, log_tail, omni_installed, reap_group, run_bounded, subprocess_env
+
+from tests.support.ports import free_port
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.omni,
+    pytest.mark.skipif(not omni_installed(), reason="vllm / vllm-omni not installed"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("torchaudio") is None,
+        reason="torchaudio is not installed; vLLM-Omni's API server cannot start without it",
+    ),
+]
+
+STARTUP_DEADLINE_S = 300.0
+JOB_DEADLINE_S = 180.0
+HTTP_TIMEOUT_S = 10.0
+
+
+def _serve_args(model: Path, port: int, config: dict) -> list[str]:
+    return [
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model),
+        "--omni",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--diffusion-quantization-config",
+        json.dumps(config),
+    ]
+
+
+def _wait_until_healthy(base: str, server: subprocess.Popen, log: Path) -> None:
+    import requests
+
+    deadline = time.monotonic() + STARTUP_DEADLINE_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"server exited with {server.returncode} during start-up:\n{log_tail(log)}")
+        try:
+            if requests.get(f"{base}/health", timeout=HTTP_TIMEOUT_S).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(1.0)
+    raise AssertionError(f"server not healthy within {STARTUP_DEADLINE_S:.0f}s:\n{log_tail(log)}")
+
+
+def _one_video(base: str, log: Path) -> dict:
+    import requests
+
+    form = {"prompt": "a cat", "width": "16", "height": "16", "num_frames": "9", "num_inference_steps": "2"}
+    created = requests.post(f"{base}/v1/videos", files={k: (None, v) for k, v in form.items()}, timeout=30)
+    assert created.status_code == 200, created.text
+    job = created.json()
+    deadline = time.monotonic() + JOB_DEADLINE_S
+    while job["status"] not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        job = requests.get(f"{base}/v1/videos/{job['id']}", timeout=HTTP_TIMEOUT_S).json()
+    assert job["status"] == "completed", f"job not completed: {job}\n{log_tail(log)}"
+    return job
+
+
+@pytest.mark.parametrize(
+    ("config", "quantized"),
+    [({"transformer": "mxfp4"}, 16), ({"default": "mxfp4"}, 32)],
+    ids=["transformer-only", "default"],
+)
+def test_per_component_method_names_serve(tiny_wan_2e: Path, tmp_path: Path, config, quantized) -> None:
+    port, log, trace = free_port(), tmp_path / "server.log", tmp_path / "trace.jsonl"
+    env = subprocess_env({"VLLM_OMNI_MXFP4_TRACE_FILE": str(trace)})
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, *_serve_args(tiny_wan_2e, port, config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        _wait_until_healthy(f"http://127.0.0.1:{port}", server, log)
+        assert _one_video(f"http://127.0.0.1:{port}", log)["error"] is None
+    finally:
+        leftover = reap_group(server, settle=30.0)
+    assert not leftover, f"server processes {leftover} outlived SIGTERM by 30s"
+    calls = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert {c["method"] for c in calls} == {"mxfp4"}
+    # 16 Linears per expert: one expert quantized (transformer_2 has no entry and no default) or both.
+    assert len({(c["pid"], c["layer"]) for c in calls}) == quantized
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"transfomer": "mxfp4", "transformer_2": "mxfp4"},
+            "Unknown component 'transfomer' in the per-component config. Did you mean 'transformer'?",
+        ),
+        (
+            {"method": "mxfp4", "ignored_layers": ["blocks.1.ffn.net2"]},
+            "ignored_layers entry 'blocks.1.ffn.net2' matches no Linear of the WanTransformer3DModel",
+        ),
+        (
+            # The user guide's form is accepted; mxfp4_dualscale's default keeps 5 blocks of 2 in BF16.
+            {"transformer": "mxfp4", "transformer_2": "mxfp4_dualscale"},
+            "num_bf16_fallback_layers=5 is larger than the 2 blocks",
+        ),
+    ],
+    ids=["component-typo", "layer-typo", "leading-blocks"],
+)
+def test_names_that_match_nothing_stop_the_server(tiny_wan_2e: Path, tmp_path: Path, config, message) -> None:
+    log = tmp_path / "server.log"
+    with pytest.raises(RunFailed) as info:
+        run_bounded(
+            _serve_args(tiny_wan_2e, free_port(), config),
+            timeout=STARTUP_DEADLINE_S,
+            env=subprocess_env(),
+            log=log,
+        )
+    assert info.value.reason.startswith("exited with"), info.value
+    assert message in log.read_text(), log_tail(log)
