@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,7 +26,9 @@ __all__ = [
     "reap_group",
     "run_bounded",
     "run_engine_job",
+    "serve_command",
     "subprocess_env",
+    "wait_until_healthy",
 ]
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -45,3 +49,39 @@ def subprocess_env(extra: dict[str, str] | None = None, pythonpath: Sequence[Pat
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
+
+
+def wait_until_healthy(base: str, server: subprocess.Popen, log: Path, deadline_s: float = 300.0) -> None:
+    """Wait until ``GET {base}/health`` answers 200; fail with the log's tail if the server exits first."""
+    import requests
+
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"server exited with {server.returncode} during start-up:\n{log_tail(log)}")
+        try:
+            if requests.get(f"{base}/health", timeout=10.0).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(1.0)
+    raise AssertionError(f"server not healthy within {deadline_s:.0f}s:\n{log_tail(log)}")
+
+
+def serve_command(model: Path, port: int) -> list[str]:
+    """``vllm serve MODEL --omni`` on 127.0.0.1:``port``, with this interpreter."""
+    import sys
+
+    entry = "vllm.entrypoints.cli.main"
+    return [
+        sys.executable,
+        "-m",
+        entry,
+        "serve",
+        str(model),
+        "--omni",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]

@@ -11,13 +11,12 @@ from __future__ import annotations
 import importlib.util
 import io
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from omni_procs import log_tail, omni_installed, reap_group, subprocess_env
+from omni_procs import log_tail, omni_installed, reap_group, serve_command, subprocess_env, wait_until_healthy
 
 from tests.support.ports import free_port
 
@@ -37,22 +36,6 @@ JOB_DEADLINE_S = 120.0
 HTTP_TIMEOUT_S = 10.0
 
 
-def _wait_until_healthy(base: str, server: subprocess.Popen, log: Path) -> None:
-    import requests
-
-    deadline = time.monotonic() + STARTUP_DEADLINE_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"server exited with {server.returncode} during start-up:\n{log_tail(log)}")
-        try:
-            if requests.get(f"{base}/health", timeout=HTTP_TIMEOUT_S).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(1.0)
-    raise AssertionError(f"server not healthy within {STARTUP_DEADLINE_S:.0f}s:\n{log_tail(log)}")
-
-
 def _decode_mp4(data: bytes) -> np.ndarray:
     import av
 
@@ -66,25 +49,14 @@ def test_serve_text_to_video_round_trip(tiny_wan_2e: Path, tmp_path: Path) -> No
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        str(tiny_wan_2e),
-        "--omni",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
+    command = serve_command(tiny_wan_2e, port)
     with open(log, "wb") as out:
         server = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=subprocess_env(), start_new_session=True
         )
     leftover: list[int] = []
     try:
-        _wait_until_healthy(base, server, log)
+        wait_until_healthy(base, server, log, STARTUP_DEADLINE_S)
 
         form = {
             "prompt": "a cat walking on the grass",

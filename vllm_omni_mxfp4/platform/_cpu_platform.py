@@ -7,7 +7,8 @@ package docstring for why that order matters).
 It combines vLLM-Omni's ``OmniPlatform`` (the diffusion hooks) with vLLM's ``CpuPlatform`` (dtype
 support, CPU linear kernels, ``gloo``), and fills in what the diffusion engine asks of a device:
 a device and a device count, no-op device calls, memory figures from the host, peak-memory
-statistics from the process' resident set, and a CPU attention backend. Whether it is used is
+statistics from the process' resident set, a CPU attention backend, and a model runner that
+refuses requests too large for the host (:mod:`vllm_omni_mxfp4.platform.runner`). Whether it is used is
 decided in :mod:`vllm_omni_mxfp4.platform.activation`; the device variables are read through
 :mod:`vllm_omni_mxfp4.envs`.
 """
@@ -24,9 +25,12 @@ from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum
 
 from vllm_omni_mxfp4 import envs
 
+from .request_guard import memory_limit
+
 logger = logging.getLogger(__name__)
 
 CPU_SDPA_BACKEND = "vllm_omni_mxfp4.platform.attention.CpuSDPABackend"
+CPU_MODEL_RUNNER = "vllm_omni_mxfp4.platform.runner.CpuDiffusionModelRunner"
 
 # Names under which users select torch SDPA for diffusion attention (vLLM-Omni's registry key is
 # TORCH_SDPA; the backend itself reports SDPA).
@@ -120,12 +124,12 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
 
     @classmethod
     def get_device_memory(cls, device: torch.device | None = None) -> tuple[int, int]:
-        memory = psutil.virtual_memory()
-        return memory.available, memory.total
+        return psutil.virtual_memory().available, memory_limit().bytes
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
-        return psutil.virtual_memory().total
+        """The host's total memory, or the process' ``RLIMIT_AS`` where lower (the request limit)."""
+        return memory_limit().bytes
 
     @classmethod
     def get_current_memory_usage(cls, device: torch.types.Device | None = None) -> float:
@@ -180,6 +184,11 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
     @classmethod
     def get_default_stage_config_path(cls) -> str:
         return "vllm_omni/deploy"
+
+    @classmethod
+    def get_diffusion_model_runner_cls(cls) -> str:
+        """vLLM-Omni's runner plus the request guard: oversized requests fail alone, failures carry a reason."""
+        return CPU_MODEL_RUNNER
 
     @classmethod
     def get_omni_ar_worker_cls(cls) -> str:
