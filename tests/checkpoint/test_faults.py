@@ -9,68 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_omni_mxfp4.checkpoint import CheckpointError, merge
+from vllm_omni_mxfp4.checkpoint import CheckpointError
 from vllm_omni_mxfp4.cli import main
 
-Mutation = Callable[[dict[str, torch.Tensor], dict[str, object]], None]
-
-
-def _edit(expert: Path, mutate: Mutation) -> None:
-    """Apply ``mutate(tensors, description)`` to an unsharded export directory."""
-    (weights,) = expert.glob("quant_model_weight*.safetensors")
-    (description,) = expert.glob("quant_model_description*.json")
-    tensors = load_file(str(weights))
-    entries = json.loads(description.read_text())
-    mutate(tensors, entries)
-    save_file(tensors, str(weights))
-    description.write_text(json.dumps(entries, indent=4))
-
-
-def _run(original: Path, quant: Path, out: Path, **kwargs):
-    return merge("Wan2.2-T2V-A14B", original, quant, out, **kwargs)
-
-
-def _assert_refused(expert_copy, tmp_path, message: str, mutate: Mutation | None = None) -> None:
-    original, quant = expert_copy
-    if mutate is not None:
-        _edit(quant / "high_noise_model", mutate)
-    out = tmp_path / "out"
-    with pytest.raises(CheckpointError, match=message) as exc:
-        _run(original, quant, out)
-    assert "\n" not in str(exc.value)
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if "mxfp4-merge" in p.name]
-
-
-def _drop(*names: str) -> Mutation:
-    def mutate(tensors, entries):
-        for name in names:
-            del tensors[name]
-            del entries[name]
-
-    return mutate
-
-
-def _replace(name: str, value: Callable[[torch.Tensor], torch.Tensor]) -> Mutation:
-    def mutate(tensors, entries):
-        tensors[name] = value(tensors[name]).contiguous()
-
-    return mutate
-
-
-def _label(name: str, label: str) -> Mutation:
-    def mutate(tensors, entries):
-        entries[name] = label
-
-    return mutate
-
+from .edits import assert_refused, drop, edit, merge_t2v, relabel, replace
 
 OPROJ = "blocks.1.self_attn.o"  # quantized, no Smooth: 512 x 512
 QPROJ = "blocks.1.self_attn.q.linear"  # quantized with Smooth
@@ -80,7 +27,7 @@ def test_missing_description_file(expert_copy, tmp_path):
     original, quant = expert_copy
     (description,) = (quant / "high_noise_model").glob("quant_model_description*.json")
     description.unlink()
-    _assert_refused(expert_copy, tmp_path, r"high_noise_model: missing msModelSlim description file")
+    assert_refused(expert_copy, tmp_path, r"high_noise_model: missing msModelSlim description file")
 
 
 def test_missing_expert_directory(expert_copy, tmp_path):
@@ -88,13 +35,13 @@ def test_missing_expert_directory(expert_copy, tmp_path):
     for path in (quant / "low_noise_model").iterdir():
         path.unlink()
     (quant / "low_noise_model").rmdir()
-    _assert_refused(expert_copy, tmp_path, r"quantized export directory .*low_noise_model does not exist")
+    assert_refused(expert_copy, tmp_path, r"quantized export directory .*low_noise_model does not exist")
 
 
 @pytest.mark.parametrize("label", ["W8A8_MXFP8", "W4A4_MXFP4_SVD", "W4A8_MXFP", "BF16"])
 def test_unknown_description_label(expert_copy, tmp_path, label):
     message = rf"tensor '{OPROJ}.weight_scale' has unsupported description label '{label}'"
-    _assert_refused(expert_copy, tmp_path, message, _label(f"{OPROJ}.weight_scale", label))
+    assert_refused(expert_copy, tmp_path, message, relabel(f"{OPROJ}.weight_scale", label))
 
 
 @pytest.mark.parametrize(
@@ -117,7 +64,7 @@ def test_unknown_description_label(expert_copy, tmp_path, label):
     ],
 )
 def test_missing_tensors_of_a_quantized_layer(expert_copy, tmp_path, names, message):
-    _assert_refused(expert_copy, tmp_path, message, _drop(*names))
+    assert_refused(expert_copy, tmp_path, message, drop(*names))
 
 
 @pytest.mark.parametrize(
@@ -158,7 +105,7 @@ def test_missing_tensors_of_a_quantized_layer(expert_copy, tmp_path, names, mess
     ],
 )
 def test_shapes_must_match_the_original_linear(expert_copy, tmp_path, name, value, message):
-    _assert_refused(expert_copy, tmp_path, message, _replace(name, value))
+    assert_refused(expert_copy, tmp_path, message, replace(name, value))
 
 
 @pytest.mark.parametrize(
@@ -190,7 +137,7 @@ def test_shapes_must_match_the_original_linear(expert_copy, tmp_path, name, valu
     ],
 )
 def test_wrong_dtypes(expert_copy, tmp_path, name, value, message):
-    _assert_refused(expert_copy, tmp_path, message, _replace(name, value))
+    assert_refused(expert_copy, tmp_path, message, replace(name, value))
 
 
 def test_e8m0_nan_scale(expert_copy, tmp_path):
@@ -200,7 +147,7 @@ def test_e8m0_nan_scale(expert_copy, tmp_path):
         return t
 
     message = rf"weight_scale '{QPROJ}\.weight_scale' holds 0xFF at \[3, 5\]; expected E8M0 codes"
-    _assert_refused(expert_copy, tmp_path, message, _replace(f"{QPROJ}.weight_scale", nan_code))
+    assert_refused(expert_copy, tmp_path, message, replace(f"{QPROJ}.weight_scale", nan_code))
 
 
 @pytest.mark.parametrize(
@@ -215,7 +162,7 @@ def test_mul_scale_must_be_finite_and_positive(expert_copy, tmp_path, bad, shown
     message = (
         rf"mul_scale 'blocks\.2\.ffn\.2\.div\.mul_scale' holds {shown}.* at \[7\]; expected finite values > 0"
     )
-    _assert_refused(expert_copy, tmp_path, message, _replace("blocks.2.ffn.2.div.mul_scale", poison))
+    assert_refused(expert_copy, tmp_path, message, replace("blocks.2.ffn.2.div.mul_scale", poison))
 
 
 @pytest.mark.parametrize("bad", [math.nan, -1.0])
@@ -226,7 +173,7 @@ def test_dual_scale_must_be_finite_and_non_negative(expert_copy, tmp_path, bad):
         return t
 
     message = rf"weight_dual_scale '{OPROJ}\.weight_dual_scale' holds .* at \[9, 0, 0\]; expected finite values >= 0"
-    _assert_refused(expert_copy, tmp_path, message, _replace(f"{OPROJ}.weight_dual_scale", poison))
+    assert_refused(expert_copy, tmp_path, message, replace(f"{OPROJ}.weight_dual_scale", poison))
 
 
 def test_bias_of_a_quantized_layer_must_be_finite(expert_copy, tmp_path):
@@ -236,7 +183,7 @@ def test_bias_of_a_quantized_layer_must_be_finite(expert_copy, tmp_path):
         return t
 
     message = rf"bias '{OPROJ}\.bias' holds inf at \[3\]; expected finite values"
-    _assert_refused(expert_copy, tmp_path, message, _replace(f"{OPROJ}.bias", poison))
+    assert_refused(expert_copy, tmp_path, message, replace(f"{OPROJ}.bias", poison))
 
 
 def test_partial_bf16_fallback_in_fused_qkv(expert_copy, tmp_path, dual_export):
@@ -258,13 +205,13 @@ def test_partial_bf16_fallback_in_fused_qkv(expert_copy, tmp_path, dual_export):
             entries[f"{prefix}.{leaf}"] = "FLOAT"
 
     message = r"fused self-attention blocks\.1\.attn1 \(export blocks\.1\.self_attn\): partial BF16 fallback \(to_q, to_v quantized, to_k BF16\)"
-    _assert_refused(expert_copy, tmp_path, message, k_to_bf16)
+    assert_refused(expert_copy, tmp_path, message, k_to_bf16)
 
 
 def test_qkv_with_different_mul_scale(expert_copy, tmp_path):
     message = r"blocks\.1\.attn1 .*: Q/K/V have different mul_scale tensors"
-    _assert_refused(
-        expert_copy, tmp_path, message, _replace("blocks.1.self_attn.v.div.mul_scale", lambda t: t * 2)
+    assert_refused(
+        expert_copy, tmp_path, message, replace("blocks.1.self_attn.v.div.mul_scale", lambda t: t * 2)
     )
 
 
@@ -277,7 +224,7 @@ def test_qkv_with_smooth_on_some_only(expert_copy, tmp_path):
             tensors[f"{prefix}.{leaf}"] = tensors.pop(f"{prefix}.linear.{leaf}")
             entries[f"{prefix}.{leaf}"] = entries.pop(f"{prefix}.linear.{leaf}")
 
-    _assert_refused(
+    assert_refused(
         expert_copy, tmp_path, r"blocks\.1\.attn1 .*: Smooth mul_scale on to_q, to_k only", unwrap_v
     )
 
@@ -290,7 +237,7 @@ def test_duplicate_tensor_across_shards(expert_copy, tmp_path):
     name = next(iter(first))
     save_file({**second, name: first[name]}, str(shards[1]))
     message = rf"duplicate tensor '{name}': stored in both .*{shards[0].name} and .*{shards[1].name}"
-    _assert_refused(expert_copy, tmp_path, message)
+    assert_refused(expert_copy, tmp_path, message)
 
 
 def test_index_that_misses_a_shard_tensor(expert_copy, tmp_path):
@@ -300,7 +247,7 @@ def test_index_that_misses_a_shard_tensor(expert_copy, tmp_path):
     name = sorted(index["weight_map"])[0]
     del index["weight_map"][name]
     index_path.write_text(json.dumps(index))
-    _assert_refused(
+    assert_refused(
         expert_copy,
         tmp_path,
         rf"quant_model_weight\.safetensors\.index\.json: tensor '{name}' in .* is not listed",
@@ -368,13 +315,13 @@ def test_index_that_misses_a_shard_tensor(expert_copy, tmp_path):
     ],
 )
 def test_inconsistent_exports(expert_copy, tmp_path, mutate, message):
-    _assert_refused(expert_copy, tmp_path, message, mutate)
+    assert_refused(expert_copy, tmp_path, message, mutate)
 
 
 def test_unexpected_safetensors_file(expert_copy, tmp_path):
     original, quant = expert_copy
     save_file({"x": torch.zeros(1)}, str(quant / "high_noise_model" / "extra.safetensors"))
-    _assert_refused(
+    assert_refused(
         expert_copy, tmp_path, r"high_noise_model: unexpected safetensors file\(s\) \['extra\.safetensors'\]"
     )
 
@@ -384,7 +331,7 @@ def test_original_that_is_already_quantized(expert_copy, tmp_path):
     path = original / "transformer_2" / "config.json"
     config = json.loads(path.read_text())
     path.write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
-    _assert_refused(expert_copy, tmp_path, r"transformer_2/config\.json: already has a quantization_config")
+    assert_refused(expert_copy, tmp_path, r"transformer_2/config\.json: already has a quantization_config")
 
 
 def test_output_path_rules(expert_copy, tmp_path):
@@ -393,23 +340,23 @@ def test_output_path_rules(expert_copy, tmp_path):
     out.mkdir()
     (out / "old.txt").write_text("old")
     with pytest.raises(CheckpointError, match=rf"output path {out} exists; pass --overwrite"):
-        _run(original, quant, out)
+        merge_t2v(original, quant, out)
     assert (out / "old.txt").read_text() == "old"
-    _run(original, quant, out, overwrite=True)
+    merge_t2v(original, quant, out, overwrite=True)
     assert not (out / "old.txt").exists() and (out / "transformer" / "config.json").is_file()
     for target in (original / "merged", quant, quant / "high_noise_model" / "x", tmp_path):
         with pytest.raises(CheckpointError, match=r"output path .* overlaps the input"):
-            _run(original, quant, target, overwrite=True)
+            merge_t2v(original, quant, target, overwrite=True)
     with pytest.raises(
         CheckpointError, match=r"parent directory of the output path, .*missing, does not exist"
     ):
-        _run(original, quant, tmp_path / "missing" / "out")
+        merge_t2v(original, quant, tmp_path / "missing" / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["orig", "out", "quant"]
 
 
 def test_cli_reports_validation_errors_in_one_line(expert_copy, tmp_path, capsys):
     original, quant = expert_copy
-    _edit(quant / "high_noise_model", _label(f"{OPROJ}.weight_scale", "W8A8_MXFP8"))
+    edit(quant / "high_noise_model", relabel(f"{OPROJ}.weight_scale", "W8A8_MXFP8"))
     argv = ["merge", "--model-type", "Wan2.2-T2V-A14B", "--original-model", str(original)]
     argv += ["--quant-path", str(quant), "--output-path", str(tmp_path / "out")]
     assert main(argv) == 2

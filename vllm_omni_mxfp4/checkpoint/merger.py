@@ -33,6 +33,7 @@ from .plan import (
     WEIGHTS_BASENAME,
     TransformerPlan,
     TransformerReport,
+    check_original_unquantized,
     plan_transformer,
 )
 from .safetensors_io import copy_range, write_checkpoint
@@ -267,8 +268,24 @@ def _handle_stale_staging(output: Path, dry_run: bool) -> list[str]:
 def _plan_transformers(
     sources: tuple[TransformerSource, ...], original: Path, quant: Path, **options
 ) -> list[TransformerPlan]:
-    """Validate and plan every transformer of the model (``options``: those of :func:`plan_transformer`)."""
-    return [plan_transformer(s.folder, original / s.folder, s.export_dir(quant), **options) for s in sources]
+    """Validate and plan every transformer of the model (``options``: those of :func:`plan_transformer`).
+
+    Every original is checked for being already quantized first, so that this is what a merge of a
+    quantized original reports, before anything the exports would say.
+    """
+    for source in sources:
+        check_original_unquantized(original / source.folder)
+    folders = {s.folder: original / s.folder for s in sources}
+    return [
+        plan_transformer(
+            s.folder,
+            original / s.folder,
+            s.export_dir(quant),
+            siblings={f: d for f, d in folders.items() if f != s.folder},
+            **options,
+        )
+        for s in sources
+    ]
 
 
 def _log_written(plans: list[TransformerPlan]) -> None:

@@ -22,7 +22,9 @@ from vllm_omni_mxfp4.config import Mxfp4Config, Mxfp4DualScaleConfig
 from .errors import CheckpointError, read_json_object
 from .export import FLOAT_LABEL, read_export
 from .names import natural_key, runtime_layer_name
+from .origin import check_origin
 from .safetensors_io import (
+    FLOAT_DTYPES,
     CopyBytes,
     OnesF32,
     OutputTensor,
@@ -31,7 +33,15 @@ from .safetensors_io import (
     WidenToF32,
     split_into_shards,
 )
-from .validate import ADDED_LEAVES, MUL_SCALE, NON_BLOCK_POLICIES, WEIGHTS_BASENAME, Layers, MergeInputs
+from .validate import (
+    ADDED_LEAVES,
+    MUL_SCALE,
+    NON_BLOCK_POLICIES,
+    WEIGHTS_BASENAME,
+    Layers,
+    MergeInputs,
+    original_archive,
+)
 
 __all__ = [
     "DESCRIPTION_NAME",
@@ -40,6 +50,7 @@ __all__ = [
     "WEIGHT_LAYOUTS",
     "TransformerPlan",
     "TransformerReport",
+    "check_original_unquantized",
     "plan_transformer",
 ]
 
@@ -119,7 +130,9 @@ def _add_original_tensors(inputs: MergeInputs, layers: Layers, out: _Outputs) ->
         if place.layer in quantized and place.leaf == "weight":
             continue
         exported = None if place.layer in layers.replaced else inputs.mapped.get(name)
-        if exported is None:
+        if name in inputs.same_values:  # the export's cast of the original: keep the original's dtype
+            out.copy(name, inputs.original[name], exported.label)
+        elif exported is None:
             out.from_original += 1
             out.copy(name, inputs.original[name], FLOAT_LABEL)
         else:
@@ -194,19 +207,34 @@ def _quantization_config(quant_method: str, ignored: list[str], require_smooth: 
     return block
 
 
-def _checkpoint_config(original_dir: Path, quant: dict) -> dict:
-    """The original ``config.json`` plus the ``quantization_config`` block ``quant``."""
+def _original_config(original_dir: Path) -> dict:
+    """The original ``config.json``: a Wan transformer's, without a ``quantization_config``."""
     path = original_dir / "config.json"
     config = read_json_object(path, if_missing="the original transformer needs its config.json")
+    if "quantization_config" in config:
+        raise CheckpointError(
+            f"{path}: already has a quantization_config; --original-model must be the BF16 original "
+            "(this is a merged or otherwise quantized checkpoint)"
+        )
     if config.get("_class_name") != TRANSFORMER_CLASS:
         raise CheckpointError(
             f"{path}: _class_name is {config.get('_class_name')!r}; expected {TRANSFORMER_CLASS!r}"
         )
-    if "quantization_config" in config:
-        raise CheckpointError(
-            f"{path}: already has a quantization_config; --original-model must be the BF16 original"
-        )
-    return {**config, "quantization_config": quant}
+    return config
+
+
+def check_original_unquantized(original_dir: Path) -> None:
+    """Refuse an already-quantized original first, before any comparison with the export: its
+    ``config.json`` has a ``quantization_config``, or it holds scales or non-float weights."""
+    if not original_dir.is_dir():
+        raise CheckpointError(f"original transformer directory {original_dir} does not exist")
+    _original_config(original_dir)
+    for name, ref in sorted(original_archive(original_dir).items(), key=lambda item: natural_key(item[0])):
+        if name.rsplit(".", 1)[-1] in ADDED_LEAVES or ref.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{ref.path}: original tensor {name!r} ({ref.dtype}) is a quantized checkpoint's tensor; "
+                "the original is already quantized: --original-model must be the BF16 original"
+            )
 
 
 def _extra_files(original_dir: Path) -> list[Path]:
@@ -249,19 +277,24 @@ def plan_transformer(
     weight_layout: str = "packed",
     max_shard_size: int | None = None,
     non_block_quantized: str = "error",
+    siblings: dict[str, Path] | None = None,
 ) -> TransformerPlan:
-    """Validate one transformer's export against its original and plan the merged tensors."""
-    if not original_dir.is_dir():
-        raise CheckpointError(f"original transformer directory {original_dir} does not exist")
+    """Validate one transformer's export against its original and plan the merged tensors.
+
+    ``siblings`` are the model's other transformers (folder name -> original directory): an export
+    made from one of them (swapped or duplicated experts) is refused, naming it.
+    """
+    check_original_unquantized(original_dir)
     inputs = MergeInputs(name, original_dir, read_export(quant_dir), non_block_quantized)
     layers = inputs.decide_layers()
+    check_origin(inputs, siblings or {})
     out = _output_tensors(inputs, layers, weight_layout)
     ignored = sorted({runtime_layer_name(layer) for layer in layers.bf16}, key=natural_key)
     require_smooth = _require_smooth_scale(inputs, layers)
     if inputs.export.fa_markers:
         inputs.warn(f"{len(inputs.export.fa_markers)} FA3 attention-quantization marker(s) ignored")
     quant = _quantization_config(inputs.export.quant_method, ignored, require_smooth)
-    config = _checkpoint_config(original_dir, quant)
+    config = {**_original_config(original_dir), "quantization_config": quant}
     return TransformerPlan(
         report=_report(inputs, layers, out, ignored, require_smooth),
         original_dir=original_dir,

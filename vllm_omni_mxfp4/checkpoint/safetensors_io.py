@@ -17,7 +17,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -229,6 +229,53 @@ def open_archive(files: Iterable[Path], index: Path | None = None) -> dict[str, 
         if name not in weight_map:
             raise CheckpointError(f"{index}: tensor {name!r} in {ref.path.name} is not listed in the index")
     return tensors
+
+
+def iter_values(ref: TensorRef) -> Iterator[np.ndarray]:
+    """The values of a tensor, flat, in chunks of at most ``COPY_CHUNK / 8`` elements (BF16 as
+    float32): any tensor in bounded memory."""
+    size, elements = DTYPE_SIZES[ref.dtype], max(1, COPY_CHUNK // 8)
+    with open(ref.path, "rb") as fh:
+        fh.seek(ref.offset)
+        for start in range(0, ref.nbytes, elements * size):
+            want = min(elements * size, ref.nbytes - start)
+            raw = fh.read(want)
+            if len(raw) != want:
+                raise CheckpointError(f"{ref.path}: tensor {ref.name!r} is truncated")
+            yield decode_array(raw, ref.dtype, (want // size,))
+
+
+def _first_marked(ref: TensorRef, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple | None:
+    start = 0
+    for marked, values in chunks:
+        found = np.flatnonzero(marked)
+        if found.size:
+            at = np.unravel_index(start + int(found[0]), ref.shape)
+            return [int(i) for i in at], int(found[0]), values
+        start += marked.size
+    return None
+
+
+def first_bad_value(
+    ref: TensorRef, bad: Callable[[np.ndarray], np.ndarray]
+) -> tuple[list[int], float] | None:
+    """The index (in the tensor's shape) and the value of the first element ``bad`` marks, or ``None``."""
+    found = _first_marked(ref, ((bad(v), v) for v in iter_values(ref)))
+    return None if found is None else (found[0], float(found[2][found[1]]))
+
+
+def first_difference(a: TensorRef, b: TensorRef) -> tuple[list[int], float, float] | None:
+    """The first index where two tensors of the same shape hold different numbers (whatever their
+    dtypes; -0.0 equals 0.0) and the two values, or ``None`` when every value is equal."""
+    pairs = zip(iter_values(a), iter_values(b))
+    found = _first_marked(
+        a,
+        (
+            (x.astype(np.float64) != y.astype(np.float64), np.stack((x, y)).astype(np.float64))
+            for x, y in pairs
+        ),
+    )
+    return None if found is None else (found[0], float(found[2][0, found[1]]), float(found[2][1, found[1]]))
 
 
 class TensorSource(Protocol):

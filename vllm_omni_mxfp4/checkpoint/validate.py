@@ -44,7 +44,14 @@ from .names import (
     strip_smooth_wrapper,
     wan_to_diffusers,
 )
-from .safetensors_io import FLOAT_DTYPES, TensorRef, open_archive, read_index
+from .safetensors_io import (
+    FLOAT_DTYPES,
+    TensorRef,
+    first_bad_value,
+    first_difference,
+    open_archive,
+    read_index,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,9 @@ ADDED_LEAVES = tuple(
     )
 )
 _SCALE_LEAVES = tuple(leaf for leaf in ADDED_LEAVES if leaf != MUL_SCALE)
+#: The value rule of every unquantized tensor (norms, biases, modulation tables, embedders, the
+#: weights of Linears kept in BF16): the spec table's ``finite`` rule, as for a quantized Linear's bias.
+UNQUANTIZED_VALUES = spec.VALUE_RULES[spec.BIAS.values]
 
 
 @dataclass
@@ -130,6 +140,15 @@ def _check_values(t: ExportTensor, record: spec.CheckpointTensor) -> None:
         )
 
 
+def check_streamed_values(ref: TensorRef, what: str) -> None:
+    """Every value of an unquantized tensor of any size is finite (read in bounded chunks)."""
+    rule = UNQUANTIZED_VALUES
+    found = first_bad_value(ref, lambda values: rule.bad(values, np))
+    if found is not None:
+        at, value = found
+        raise _fail(ref, what, f"holds {value} at {at}; expected {rule.expected}; usual cause: {rule.cause}")
+
+
 def _allowed_labels(leaf: str, label: str) -> tuple[str, ...]:
     """The description labels msModelSlim gives tensor ``leaf`` of a Linear quantized as ``label``."""
     if leaf == MUL_SCALE:
@@ -193,6 +212,8 @@ class MergeInputs:
             if t.place.layer is not None and t.place.kind == LINEAR:
                 self.by_layer.setdefault(t.place.layer, {})[t.place.leaf] = t
         self.warnings: list[str] = []
+        #: FLOAT tensors the export holds in another dtype with the original's exact values.
+        self.same_values: set[str] = set()
 
     def warn(self, message: str) -> None:
         logger.warning("%s: %s", self.name, message)
@@ -215,6 +236,26 @@ class MergeInputs:
                 raise _fail(
                     t.ref, "tensor", f"maps to {t.place.name!r}, which the original transformer lacks"
                 )
+
+    def check_complete(self) -> None:
+        """Every tensor of the original is in the export: msModelSlim saves the whole model (FLOAT or
+        quantized), so a missing one means an incomplete export, never "take the original's"."""
+        missing = [name for name in sorted(self.original, key=natural_key) if name not in self.mapped]
+        if not missing:
+            return
+        name, layer = missing[0], self.places[missing[0]].layer
+        if layer is not None and not any(t.place.layer == layer for t in self.mapped.values()):
+            what = f"has no tensor of layer {layer} (export {diffusers_to_wan(name).rsplit('.', 1)[0]})"
+            others = [n for n in missing if self.places[n].layer != layer]
+        else:
+            what = f"lacks tensor {name} (export {diffusers_to_wan(name)})"
+            others = missing[1:]
+        more = f", and {len(others)} other tensor(s) of the original" if others else ""
+        raise CheckpointError(
+            f"{self.export.description}: {what}{more}, which the original has; msModelSlim saves every "
+            "tensor of the model, so the export is incomplete (re-export, or check that the weight files "
+            "and the description belong together)"
+        )
 
     def linear_layers(self) -> list[str]:
         layers = {p.layer for p in self.places.values() if p.kind == LINEAR and p.leaf == "weight"}
@@ -360,16 +401,37 @@ class MergeInputs:
             )
 
     def check_float_tensors(self, layers: Layers) -> None:
-        """Export tensors outside the quantized Linears are FLOAT, floating point, the original's shape."""
+        """Export tensors outside the quantized Linears are FLOAT, with the original's dtype and shape,
+        and finite; so are the original tensors that replace a quantized non-block Linear."""
         quantized = set(layers.quantized)
         for name in sorted(self.original, key=natural_key):
-            place, t = self.places[name], self.mapped.get(name)
-            if t is None or place.layer in quantized or place.layer in layers.replaced:
+            place, t, original = self.places[name], self.mapped.get(name), self.original[name]
+            if place.layer in layers.replaced:
+                check_streamed_values(original, "original tensor")
+                continue
+            if t is None or place.layer in quantized:
                 continue
             if t.label != FLOAT_LABEL:
                 raise _fail(t.ref, "tensor", f"is labelled {t.label} but is not part of a quantized Linear")
-            original = self.original[name]
             _check_dtype_and_shape(t, "FLOAT tensor", FLOAT_DTYPES, original.shape, f"(the original {name})")
+            check_streamed_values(t.ref, "FLOAT tensor")
+            if t.ref.dtype != original.dtype:
+                self._check_other_dtype(t, original)
+
+    def _check_other_dtype(self, t: ExportTensor, original: TensorRef) -> None:
+        """A FLOAT tensor stored in another dtype than the original's is refused unless it holds
+        exactly the original's numbers (a lossless cast); the merge then writes the original's bytes."""
+        diff = first_difference(t.ref, original)
+        if diff is not None:
+            at, exported, value = diff
+            raise _fail(
+                t.ref,
+                "FLOAT tensor",
+                f"has dtype {t.ref.dtype}, but the original {original.name} is {original.dtype}, and the "
+                f"values differ (at {at}: {exported} in the export, {value} in the original); an "
+                "unquantized tensor must be the original's: export from this original in its own dtype",
+            )
+        self.same_values.add(original.name)
 
     def decide_layers(self) -> Layers:
         """Validate the export against the original and decide how each Linear is written."""
@@ -386,6 +448,7 @@ class MergeInputs:
                     continue
                 layers.replaced.add(layer)
             layers.bf16.append(layer)
+        self.check_complete()
         self.check_fused_qkv(layers)
         self.check_float_tensors(layers)
         return layers
