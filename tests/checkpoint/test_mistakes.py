@@ -227,10 +227,15 @@ def test_index_entry_that_names_a_fifo(expert_copy, tmp_path):
     _cli_refuses(original, quant, tmp_path / "out", message)
 
 
-@pytest.mark.parametrize("kind", ["fifo", "device"])
+@pytest.mark.parametrize("kind", ["fifo", "device", "extra"])
 def test_special_files(expert_copy, tmp_path, kind):
     original, quant = expert_copy
-    if kind == "fifo":
+    if kind == "extra":  # a file of the transformer's directory that the merge copies
+        (original / "transformer" / "notes").mkdir()
+        target = original / "transformer" / "notes" / "pipe"
+        os.mkfifo(target)
+        message = r"transformer/notes/pipe: is a FIFO \(named pipe\), not a regular file"
+    elif kind == "fifo":
         target = quant / "high_noise_model" / "quant_model_description_w4a4_mxfp4_dualscale.json"
         target.unlink()
         os.mkfifo(target)

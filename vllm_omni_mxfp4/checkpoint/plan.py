@@ -13,13 +13,14 @@ writes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_omni_mxfp4 import spec
 from vllm_omni_mxfp4.config import Mxfp4Config, Mxfp4DualScaleConfig
 
-from .errors import CheckpointError, read_json_object
+from .errors import CheckpointError, read_json_object, require_regular_file
 from .export import FLOAT_LABEL, read_export
 from .names import natural_key, runtime_layer_name
 from .origin import check_origin
@@ -238,12 +239,18 @@ def check_original_unquantized(original_dir: Path) -> None:
 
 
 def _extra_files(original_dir: Path) -> list[Path]:
-    """Files of the original transformer directory that are neither weights nor the rewritten JSON."""
-    return sorted(
+    """Files of the original transformer directory that are neither weights nor the rewritten JSON
+    (each a regular file, also inside a subdirectory: a FIFO or a device is refused unopened)."""
+    extras = sorted(
         p
         for p in original_dir.iterdir()
         if p.name not in ("config.json", DESCRIPTION_NAME) and not p.name.endswith(_WEIGHT_FILE_SUFFIXES)
     )
+    for extra in extras:
+        inner = [Path(root) / name for root, _, names in os.walk(extra) for name in names]
+        for path in inner if extra.is_dir() else [extra]:
+            require_regular_file(path)
+    return extras
 
 
 def _report(
