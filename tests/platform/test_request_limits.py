@@ -235,6 +235,71 @@ def test_the_runner_names_an_exception_without_a_message(monkeypatch: pytest.Mon
     assert "'req-5'" in str(raised.value) and isinstance(raised.value.__cause__, MemoryError)
 
 
+# -- the API server's record of a failed job ------------------------------------------------------
+
+
+def _bare_timeout() -> TimeoutError:
+    """The engine's async-output wait as it fails: ``asyncio.wait_for`` raising ``TimeoutError()``."""
+    import asyncio
+
+    async def wait() -> None:
+        await asyncio.wait_for(asyncio.Event().wait(), timeout=0)
+
+    try:
+        asyncio.run(wait())
+    except TimeoutError as exc:
+        return exc
+    raise AssertionError("waiting for an event nobody sets did not time out")
+
+
+@pytest.fixture
+def video_helpers(monkeypatch: pytest.MonkeyPatch):
+    """vLLM-Omni's video job helpers, with the error function and the worker loop restored afterwards."""
+    import vllm_omni  # noqa: F401  (resolve the platform before importing the worker module)
+    from vllm_omni.diffusion.worker.diffusion_worker import WorkerProc
+    from vllm_omni.entrypoints.openai.video.generation import helpers
+
+    monkeypatch.setattr(helpers, "_video_error_from_exception", helpers._video_error_from_exception)
+    monkeypatch.setattr(WorkerProc, "_async_output_loop", WorkerProc.__dict__["_async_output_loop"])
+    return helpers
+
+
+@needs_omni
+def test_upstream_still_records_an_empty_reason(video_helpers) -> None:
+    """Fails once vLLM-Omni's own job record names an exception without a message: then delete
+    platform/job_errors.py and its tests."""
+    from vllm_omni_mxfp4.platform.job_errors import upstream_video_error
+
+    exc = _bare_timeout()
+    assert str(exc) == ""
+    assert upstream_video_error()(exc).message == ""
+
+
+@needs_omni
+def test_the_api_server_records_a_reason_once_the_fixups_are_installed(video_helpers) -> None:
+    from vllm_omni_mxfp4.platform import install_fixups
+    from vllm_omni_mxfp4.platform.job_errors import install_video_error_fixup
+
+    install_fixups()  # the general plugin, as vLLM-Omni calls it in the API server process
+    error = video_helpers._video_error_from_exception(_bare_timeout())
+    assert error.code == 500
+    assert "TimeoutError without a message" in error.message and "wait_for" in error.message
+    named = video_helpers._video_error_from_exception(ValueError("height must be positive"))
+    assert named.message == "height must be positive"
+    assert install_video_error_fixup() is False  # idempotent
+
+
+def test_the_fixup_leaves_processes_without_the_video_api_alone() -> None:
+    """Engine and worker processes never import the API server's modules (nor torchaudio) for it."""
+    code = (
+        "import sys; from vllm_omni_mxfp4.platform.job_errors import HELPERS, install_video_error_fixup as i; "
+        "print(i(), HELPERS in sys.modules, 'torchaudio' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False", "False"]
+
+
 def _batch(*requests):
     from vllm_omni.diffusion.sched.interface import (
         CachedRequestData,

@@ -10,9 +10,10 @@ One job per module:
   ``install_fixups`` that ``pyproject.toml`` registers under this package's name;
 * :mod:`._cpu_platform`: the ``CpuOmniPlatform`` class vLLM-Omni instantiates;
 * :mod:`.attention`: torch SDPA attention dispatched for CPU;
-* :mod:`.fixups`: the one runtime override of vLLM-Omni that multi-process runs need;
+* :mod:`.fixups`: the runtime override of vLLM-Omni that multi-process runs need;
 * :mod:`.request_guard`: the memory a request needs at least, the limit, and a failure's reason;
-* :mod:`.runner`: vLLM-Omni's model runner with that guard (the platform's runner class).
+* :mod:`.runner`: vLLM-Omni's model runner with that guard (the platform's runner class);
+* :mod:`.job_errors`: the override that gives a failed video job a reason in the API server.
 
 Import the class as ``vllm_omni_mxfp4.platform.CpuOmniPlatform``. That attribute imports
 ``vllm_omni`` before the class module, because importing ``vllm_omni`` resolves the current

@@ -112,13 +112,17 @@ def activate() -> str | None:
 
 
 def install_fixups() -> None:
-    """Entry point of group ``vllm_omni.general_plugins``: the CPU runtime fix-up, where the platform is active.
+    """Entry point of group ``vllm_omni.general_plugins``: the CPU runtime fix-ups, where the platform is active.
 
-    vLLM-Omni calls general plugins in every process it starts (engine, stage and worker
-    processes) before it builds workers; see :mod:`vllm_omni_mxfp4.platform.fixups`.
+    vLLM-Omni calls general plugins in every process it starts (API server, engine, stage and
+    worker processes) before it builds workers; see :mod:`vllm_omni_mxfp4.platform.fixups` (the
+    worker output loop) and :mod:`vllm_omni_mxfp4.platform.job_errors` (a failed job's reason, in
+    the API server only).
     """
     if not decide().active:
         return
     from .fixups import install_worker_output_fixup
+    from .job_errors import install_video_error_fixup
 
     install_worker_output_fixup()
+    install_video_error_fixup()

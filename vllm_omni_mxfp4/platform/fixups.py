@@ -1,4 +1,4 @@
-"""The one runtime fix-up the CPU platform needs in vLLM-Omni 0.30: worker output packing for TP>1.
+"""The worker fix-up the CPU platform needs in vLLM-Omni 0.30: worker output packing for TP>1.
 
 Upstream function: ``vllm_omni.diffusion.worker.diffusion_worker.WorkerProc._async_output_loop``.
 With more than one diffusion worker (tensor parallelism, multiprocess executor) each worker

@@ -109,14 +109,15 @@ def oversize_reason(request_id: str, size: RequestSize, limit: MemoryLimit) -> s
     )
 
 
-def failure_reason(exc: BaseException, request_id: str) -> str:
+def failure_reason(exc: BaseException, request_id: str | None = None) -> str:
     """``str(exc)`` when it says something; else the exception's type and where it was raised."""
     text = str(exc).strip()
     if text:
         return text
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    label = "" if request_id is None else f" {request_id!r}"
     return (
-        f"Request {request_id!r} failed: {type(exc).__name__} without a message{where}; "
+        f"Request{label} failed: {type(exc).__name__} without a message{where}; "
         "the server log has the traceback."
     )
