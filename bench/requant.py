@@ -5,8 +5,9 @@
 Builds one NVFP4 weight of ``--shape`` (default: Wan2.2-A14B's largest Linear, ``ffn.net.0``) from a
 random BF16 weight, then times :func:`~vllm_omni_mxfp4.formats.requant.requantize_nvfp4` per rule
 (dequant, requant and the error report) and ``quantize_mx`` of the same BF16 weight (what online
-BF16 -> MXFP4 quantization of the layer costs). It reports weights per second and the ratio to
-``quantize_mx`` (best of ``--repeats`` runs; machines here are shared and noisy: compare ratios), and the peak extra resident
+BF16 -> MXFP4 quantization of the layer costs). It reports weights per CPU second (the process's
+CPU time, best of ``--repeats`` runs: the runners are shared, and other jobs inflate wall time)
+and the ratio to ``quantize_mx``, and the peak extra resident
 memory of each call (RSS sampled every millisecond, above the RSS before the call, inputs already
 allocated) next to the layer's MXFP4 output and to one layer in float32 (the budget: peak extra
 <= one float32 layer, 283 MB for 13824 x 5120).
@@ -65,16 +66,16 @@ class PeakRss:
 
 
 def measure(fn: Callable[[], object], repeats: int) -> tuple[float, int]:
-    """(best seconds, largest peak extra RSS in bytes) of ``fn`` over ``repeats`` runs after a warm-up
-    (which also builds the requantizer's lookup tables, so they are not counted). The best time,
-    not the median: other jobs share these cores, and they only ever add time."""
+    """(best CPU seconds, largest peak extra RSS in bytes) of ``fn`` over ``repeats`` runs after a
+    warm-up. CPU time of this process, best of the runs: other jobs on shared cores inflate wall
+    time, not that. Each requantization run builds its own lookup tables, so they are counted."""
     fn()
     times, extra = [], 0
     for _ in range(repeats):
         with PeakRss() as rss:
-            start = time.perf_counter()
+            start = time.process_time()
             result = fn()
-            times.append(time.perf_counter() - start)
+            times.append(time.process_time() - start)
             del result
         extra = max(extra, rss.extra)
     return min(times), extra
@@ -96,7 +97,7 @@ def main() -> None:
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, layer {n}x{k} ({n * k / 1e6:.1f}M weights)"
     )
     print(f"one layer in float32: {fp32_layer / 1e6:.0f} MB; MXFP4 output: {mx_out / 1e6:.0f} MB")
-    header = f"{'op':<28} {'s':>8} {'Mweights/s':>11} {'x quantize_mx':>14} {'peak extra MB':>14} {'/ fp32 layer':>13}"
+    header = f"{'op':<28} {'CPU s':>8} {'Mweights/s':>11} {'x quantize_mx':>14} {'peak extra MB':>14} {'/ fp32 layer':>13}"
     print(header)
     print("-" * len(header))
     base_t, base_mem = measure(lambda: quantize_mx(w, scale_rule="floor"), args.repeats)
