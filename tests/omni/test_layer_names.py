@@ -120,3 +120,13 @@ def test_the_user_guides_per_component_forms_build_through_vllm_omnis_factory(vl
         for sub in ("transformer", "transformer_2"):
             layers = quantized_layers(build_expert(vllm_env, tiny_dir, spec, sub))
             assert len(layers) == 16 and {m.quant_method.method_name for m in layers.values()} == {"mxfp4"}
+
+
+def test_the_vace_pipeline_checks_component_keys_too(vllm_env):
+    from vllm_omni.diffusion.models.wan2_2 import pipeline_wan2_2_vace
+    from vllm_omni.quantization import build_quant_config
+
+    resolve = pipeline_wan2_2_vace.resolve_wan_transformer_quant_config
+    assert resolve({}, build_quant_config({"transformer": "mxfp4"}), "transformer").get_name() == "mxfp4"
+    with pytest.raises(ValueError, match="Unknown component 'transformer_3' .*Did you mean 'transformer_2'"):
+        resolve({}, build_quant_config({"transformer_3": "mxfp4"}), "transformer")

@@ -2,16 +2,16 @@
 spelled with method names accepted by vLLM-Omni's own factory.
 
 :func:`install` (called by :func:`vllm_omni_mxfp4.omni.plugin.register` in every vLLM-Omni process)
-wraps three functions of vLLM-Omni:
+wraps these functions of vLLM-Omni:
 
 - ``WanTransformer3DModel._validate_w4a8_fallback_layers``, which vLLM-Omni's Wan2.2 transformer
   calls with its quantization config at the end of its constructor, when every Linear exists and
   has had its ``get_quant_method``: with one of our configs, every layer list and the leading-block
   count are checked against the built model first (:func:`check_built_model`), then vLLM-Omni's
-  own check runs.
-- ``pipeline_wan2_2.resolve_wan_transformer_quant_config``, which selects each Wan expert's config
-  from a per-component config: a key that names no Wan expert (``"transfomer"``) is an error there,
-  instead of leaving that expert in BF16.
+  own check runs. Subclasses (VACE) build more Linears after that call and are not checked.
+- ``resolve_wan_transformer_quant_config`` of the T2V/I2V and VACE pipelines, which selects each
+  Wan expert's config from a per-component config: a key that names no Wan expert
+  (``"transfomer"``) is an error there, instead of leaving that expert in BF16.
 - ``factory._is_per_component_dict``: vLLM-Omni recognises a per-component dict only when one value
   is ``null`` or a dict, so ``{"transformer": "mxfp4", "transformer_2": "mxfp4_dualscale"}`` and
   ``{"default": "mxfp4"}`` (the user guide's forms) were refused as a flat config without a method.
@@ -119,12 +119,16 @@ def _wrap(owner: Any, name: str, make: Any) -> None:
 
 def install() -> None:
     """Wrap vLLM-Omni's model construction and factory (see the module docstring); idempotent."""
-    from vllm_omni.diffusion.models.wan2_2 import pipeline_wan2_2, wan2_2_transformer
+    from vllm_omni.diffusion.models.wan2_2 import pipeline_wan2_2, pipeline_wan2_2_vace, wan2_2_transformer
     from vllm_omni.quantization import factory
+
+    wan = wan2_2_transformer.WanTransformer3DModel
 
     def validate(original):
         def run(self, quant_config):
-            check_built_model(self, quant_config)
+            # A subclass (VACE) adds Linears after this call: only the plain transformer is complete.
+            if type(self) is wan:
+                check_built_model(self, quant_config)
             return original(self, quant_config)
 
         return run
@@ -139,6 +143,8 @@ def install() -> None:
     def per_component(original):
         return lambda spec: original(spec) or is_our_per_component_dict(spec)
 
-    _wrap(wan2_2_transformer.WanTransformer3DModel, "_validate_w4a8_fallback_layers", validate)
-    _wrap(pipeline_wan2_2, "resolve_wan_transformer_quant_config", resolve)
+    _wrap(wan, "_validate_w4a8_fallback_layers", validate)
+    for pipeline in (pipeline_wan2_2, pipeline_wan2_2_vace):  # each imported the function by name
+        _wrap(pipeline, "resolve_wan_transformer_quant_config", resolve)
     _wrap(factory, "_is_per_component_dict", per_component)
+    logger.debug("vllm-omni-mxfp4: config names are checked where vLLM-Omni builds Wan2.2 experts")
