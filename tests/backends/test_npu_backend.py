@@ -11,11 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.compare import assert_within_rounding, both
+from tests.support.compare import assert_within_rounding, both, reference
 from tests.support.layers import K, N, run, smooth_vector, weights
 from vllm_omni_mxfp4.config import Precision
-from vllm_omni_mxfp4.formats import quantize_dualscale, quantize_mx
-from vllm_omni_mxfp4.kernels import EmulatedDual, EmulatedSingle, MxLayerSpec, NpuDual, NpuSingle
+from vllm_omni_mxfp4.formats import dequantize_dualscale, quantize_dualscale, quantize_mx
+from vllm_omni_mxfp4.kernels import (
+    EmulatedDual,
+    EmulatedSingle,
+    MxLayerSpec,
+    NpuDual,
+    NpuSingle,
+    SharedBlocks,
+)
 
 pytestmark = pytest.mark.omni
 
@@ -98,9 +105,12 @@ def test_online_dualscale_equals_emulated(vllm_env, fake_npu, dtype):
     assert out.dtype == dtype and torch.equal(out, run(vllm_env, emu, x))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k", [1024, 768])
-def test_offline_dualscale_with_smooth_equals_emulated(vllm_env, fake_npu, k):
-    w, b, x = weights(26, k=k)
+def test_offline_dualscale_with_smooth_equals_emulated(vllm_env, fake_npu, k, dtype):
+    """float32 callers: both round the activations to bf16 BEFORE Smooth (the dual-level quantizer
+    takes bf16 and applies Smooth itself), and the output is bf16-rounded."""
+    w, b, x = weights(26, k=k, dtype=dtype)
     smooth = smooth_vector(k)
     data, scale, dual = quantize_dualscale((w.float() / smooth).to(torch.bfloat16))
     ckpt = {
@@ -110,8 +120,14 @@ def test_offline_dualscale_with_smooth_equals_emulated(vllm_env, fake_npu, k):
         "mul_scale": smooth,
     }
     spec = {"method": "mxfp4_dualscale", "is_checkpoint_serialized": True}
-    npu, emu = both(vllm_env, spec, ckpt, "npu", k=k, bias=b)
+    npu, emu = both(vllm_env, spec, ckpt, "npu", k=k, bias=b, dtype=dtype)
     out, want = run(vllm_env, npu, x), run(vllm_env, emu, x)
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(out, out.to(torch.bfloat16).float())  # the kernel's bf16 output
+        x2 = x.reshape(-1, k).to(torch.bfloat16)  # rounded first, then Smooth in bf16
+        ref = reference(x2, dequantize_dualscale(data, scale, dual), b, smooth=smooth, dual=True)
+        assert torch.equal(want.reshape(-1, N), ref.float())
     if k == 1024:
         assert torch.equal(out, want)
     else:  # padded to 1024 for the kernel: the same products, summed in another order
@@ -119,13 +135,12 @@ def test_offline_dualscale_with_smooth_equals_emulated(vllm_env, fake_npu, k):
     assert torch.equal(npu.state_dict()["weight"], data)
 
 
-@pytest.mark.parametrize("dual", [True, False])
-def test_row_parallel_shard_with_k_padding(fake_npu, plain_layer, dual):
-    """A shard whose K range straddles scale blocks (Wan ffn.net_2 at TP=2): pads around K."""
+def _shard(dual, k0, k, seed=27):
+    """A row-parallel shard [k0, k0 + k) of a 3-block layer: its checkpoint slices, x, Smooth, pads."""
     block = 512 if dual else 32
-    k_full, k0, k = 3 * block, block // 2, block  # the shard [k0, k0 + k) straddles two blocks
+    k_full = 3 * block
     front, back = k0 % block, -(k0 + k) % block
-    g = torch.Generator().manual_seed(27)
+    g = torch.Generator().manual_seed(seed)
     w = (torch.randn(N, k_full, generator=g) * 0.05).to(torch.bfloat16)
     x = torch.randn(6, k, generator=g).to(torch.bfloat16)
     smooth = smooth_vector(k).to(torch.bfloat16)
@@ -137,8 +152,26 @@ def test_row_parallel_shard_with_k_padding(fake_npu, plain_layer, dual):
         data, scale = quantize_mx(w)
         ckpt = {}
     ckpt |= {"weight": data[:, k0 // 2 : (k0 + k) // 2], "weight_scale": scale[:, lo // 32 : hi // 32]}
+    return ckpt, x, smooth, front, back
+
+
+@pytest.mark.parametrize(
+    "dual,k0,k",
+    [(True, 256, 512), (True, 384, 384), (False, 16, 32), (False, 24, 32)],
+    ids=["dual-equal-pads", "dual-384+256", "single-equal-pads", "single-24+8"],
+)
+@pytest.mark.parametrize("shared", [False, True])
+def test_row_parallel_shard_with_k_padding(fake_npu, plain_layer, dual, k0, k, shared):
+    """A shard whose K range straddles scale blocks (Wan ffn.net_2 at TP=2), with equal or unequal
+    front/back padding, alone or sharing its edge blocks' maxima with a neighbour rank (here one
+    whose part of each shared block peaks at 40.0): the NPU kernel computes what the emulated one does."""
+    ckpt, x, smooth, front, back = _shard(dual, k0, k)
     fmt = "mxfp4_dualscale" if dual else "mxfp4"
-    spec = MxLayerSpec("blocks.0.ffn.net_2", fmt, "floor", k, N, k_pad_front=front, k_pad_back=back)
+    neighbour = SharedBlocks(
+        512 if dual else 32, (0, 1), 0, 1, lambda t: torch.maximum(t, torch.full_like(t, 40.0))
+    )
+    pads = {"k_pad_front": front, "k_pad_back": back}
+    spec = MxLayerSpec("blocks.0.ffn.net_2", fmt, "floor", k, N, **pads, shared=neighbour if shared else None)
     kernels = (
         (NpuDual(), EmulatedDual(compute_dtype="float32"))
         if dual
@@ -149,6 +182,13 @@ def test_row_parallel_shard_with_k_padding(fake_npu, plain_layer, dual):
         layer = plain_layer(ckpt)
         outs.append(kernel.apply(layer, kernel.prepare(layer, spec, smooth), x, None, Precision.W4A4))
     assert_within_rounding(*outs)
+    if shared:  # the neighbour's maximum changed the quantization of this rank's edge blocks
+        alone = MxLayerSpec("blocks.0.ffn.net_2", fmt, "floor", k, N, **pads)
+        layer = plain_layer(ckpt)
+        kernel = kernels[0]
+        assert not torch.equal(
+            kernel.apply(layer, kernel.prepare(layer, alone, smooth), x, None, Precision.W4A4), outs[0]
+        )
 
 
 def test_npu_dual_refuses_w4a8_before_allocation(vllm_env, fake_npu):

@@ -19,7 +19,7 @@ import logging
 
 from .. import envs
 from ..spec import BACKENDS, FORMATS
-from .base import MxKernel, MxLayerSpec, Prepared
+from .base import MxKernel, MxLayerSpec, Prepared, SharedBlocks
 from .emulated import EmulatedDual, EmulatedSingle
 from .emulated_rocm import EmulatedAiterSingle
 from .npu import NpuDual, NpuSingle
@@ -39,6 +39,7 @@ __all__ = [
     "NpuSingle",
     "AiterSingle",
     "Prepared",
+    "SharedBlocks",
     "detect_backend",
     "kernel_class",
 ]

@@ -27,16 +27,92 @@ from __future__ import annotations
 import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from ..config import Precision
-from ..spec import WEIGHT_SCALE
+from ..spec import MX_BLOCK, WEIGHT_SCALE
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class SharedBlocks:
+    """Activation blocks that a row-parallel shard shares with its neighbour ranks.
+
+    TP=1 quantizes every activation block from its maximum over the whole block (DualScale's coarse
+    scale: the 512-element maximum; single scale: the 32-element one). A rank whose K range starts or
+    ends inside a block sees only its part of it. Each rank takes its part's maximum of finite |x|
+    (after Smooth, in the activation dtype) for every shared block, ``reduce_max`` takes the maximum
+    over the TP group (one small all-reduce per forward: the same call, of the same shape, on every
+    rank), and :meth:`stamp` writes it into one zero padding element of the block. The quantizer then
+    finds the block's true maximum, so each real element is quantized exactly as TP=1 quantizes it,
+    and the stamped element meets a zero weight (it adds nothing to the output).
+
+    ``blocks``: global indices of the blocks split between ranks, the same tuple on every rank;
+    ``first`` / ``last``: positions in ``blocks`` of this rank's first / last padded block, or None
+    when that block is not shared.
+    """
+
+    block: int
+    blocks: tuple[int, ...]
+    first: int | None
+    last: int | None
+    reduce_max: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def of(
+        cls,
+        prefix: str,
+        k_full: int,
+        rank: int,
+        tp_size: int,
+        block: int,
+        reduce_max: Callable[[torch.Tensor], torch.Tensor],
+    ) -> SharedBlocks | None:
+        """The shared blocks of rank ``rank``'s K shard (``k_full / tp_size`` elements); None if none.
+
+        A stamped element must sit in padding that no finer block of real elements shares: DualScale
+        (``block`` 512) needs every rank boundary on a 32-element edge; otherwise ``NotImplementedError``.
+        """
+        k = k_full // tp_size
+        cuts = [r * k for r in range(1, tp_size) if (r * k) % block]
+        if not cuts:
+            return None
+        if block > MX_BLOCK and any(c % MX_BLOCK for c in cuts):
+            raise NotImplementedError(
+                f"{prefix}: K={k_full} split over TP={tp_size} gives {k} inputs per rank, which splits "
+                f"{MX_BLOCK}-element blocks between ranks inside a {block}-element block; the ranks cannot "
+                f"reproduce TP=1's quantization there. Use a TP size that divides K into multiples of "
+                f"{MX_BLOCK}, or list the layer in ignored_layers (BF16)."
+            )
+        blocks = tuple(sorted({c // block for c in cuts}))
+        k0, end = rank * k, (rank + 1) * k
+        first = blocks.index(k0 // block) if k0 % block else None
+        last = blocks.index(end // block) if end % block else None
+        return cls(block, blocks, first, last, reduce_max)
+
+    def stamp(self, x: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
+        """``x`` (M, Kp), padded to whole blocks, with the group's block maxima in its first / last
+        padding element; ``smooth`` (Kp,): the Smooth still to apply in the quantizer (1 on padding)."""
+        xs = x if smooth is None else x * smooth
+        mag = xs.abs().float()
+        mag = torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag))
+        local = mag.new_zeros(x.shape[0], len(self.blocks))
+        if self.first is not None:
+            local[:, self.first] = mag[:, : self.block].amax(dim=-1)
+        if self.last is not None:
+            local[:, self.last] = torch.maximum(local[:, self.last], mag[:, -self.block :].amax(dim=-1))
+        shared = self.reduce_max(local)
+        x = x.clone()
+        if self.first is not None:
+            x[:, 0] = shared[:, self.first].to(x.dtype)
+        if self.last is not None:
+            x[:, -1] = shared[:, self.last].to(x.dtype)
+        return x
 
 
 @dataclass(frozen=True)
@@ -54,6 +130,9 @@ class MxLayerSpec:
     # many zero elements before/after K so that blocks line up with the checkpoint's. Zero otherwise.
     k_pad_front: int = 0
     k_pad_back: int = 0
+    # The padded blocks this shard shares with neighbour ranks and how the ranks agree on their
+    # activation maxima (None: TP=1, or every boundary on a block edge).
+    shared: SharedBlocks | None = field(default=None, compare=False)
 
     @property
     def k_padded(self) -> int:
@@ -215,8 +294,9 @@ class MxKernel(ABC):
         return self._matmul(x, call).to(out_dtype)
 
     def _preamble(self, prepared: Prepared, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Smooth, the bf16 cast and K padding, as the class attributes declare; returns the Smooth
-        vector still to apply in the quantizer (``smooth_in_quantizer``) or None."""
+        """Smooth, the bf16 cast and K padding (shared blocks stamped, :class:`SharedBlocks`), as the
+        class attributes declare; returns the Smooth vector still to apply in the quantizer
+        (``smooth_in_quantizer``) or None."""
         if self.half_input == "before_smooth" and x.dtype not in _HALF:
             x = x.to(torch.bfloat16)
         smooth = prepared.smooth
@@ -226,16 +306,26 @@ class MxKernel(ABC):
                 x, smooth = x * smooth, None
         if self.half_input == "after_smooth" and x.dtype not in _HALF:
             x = x.to(torch.bfloat16)
-        front, back = prepared.spec.k_pad_front, prepared.spec.k_pad_back + prepared.k_extra
-        if self.pad_input and (front or back):
-            x = F.pad(x, (front, back))
-            if smooth is not None:
-                smooth = F.pad(smooth, (front, back), value=1.0)
-        return x, smooth
+        if not self.pad_input:
+            return x, smooth
+        spec = prepared.spec
+        x, smooth = _pad_k(x, smooth, spec.k_pad_front, spec.k_pad_back)
+        if spec.shared is not None:
+            x = spec.shared.stamp(x, smooth)
+        return _pad_k(x, smooth, 0, prepared.k_extra)
 
     @abstractmethod
     def _matmul(self, x: torch.Tensor, call: Call) -> torch.Tensor:
         """Quantize the conditioned activations and run the GEMM (bias included)."""
+
+
+def _pad_k(
+    x: torch.Tensor, smooth: torch.Tensor | None, front: int, back: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``front`` / ``back`` zero inputs around K (Smooth padded with ones)."""
+    if not (front or back):
+        return x, smooth
+    return F.pad(x, (front, back)), None if smooth is None else F.pad(smooth, (front, back), value=1.0)
 
 
 @dataclass(frozen=True)

@@ -148,8 +148,12 @@ class EmulatedDual(EmulatedKernel):
 
 
 def aligned(spec: MxLayerSpec, x: torch.Tensor, qdq: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``qdq`` of ``x`` zero-padded by the spec's K padding (blocks line up with the scales), cut back."""
+    """``qdq`` of ``x`` zero-padded by the spec's K padding (blocks line up with the scales; blocks
+    shared with other ranks carry the group's maximum, :class:`~.base.SharedBlocks`), cut back."""
     front, back = spec.k_pad_front, spec.k_pad_back
     if not (front or back):
         return qdq(x)
-    return qdq(F.pad(x, (front, back)))[:, front : front + spec.in_features]
+    padded = F.pad(x, (front, back))
+    if spec.shared is not None:
+        padded = spec.shared.stamp(padded, None)
+    return qdq(padded)[:, front : front + spec.in_features]

@@ -34,7 +34,7 @@ from ..config import LayerRoute, Precision, QuantConfig
 from ..kernels import KernelSelector, MxKernel, MxLayerSpec
 from ..spec import BIAS, FORMATS, VALUE_RULES, CheckpointTensor, checkpoint_tensors
 from . import trace
-from .loading import check_values, checked_tensor, counted_load, row_shard, shard_geometry
+from .loading import check_values, checked_tensor, counted_load, row_shard, shard_geometry, shared_blocks
 from .state import PREPARED_ATTR, MxLayerState, Phase
 
 logger = logging.getLogger(__name__)
@@ -168,6 +168,9 @@ class MxLinearMethod(LinearMethodBase):
             w4a8=self.route.precision is Precision.W4A8 or bool(self.route.a8_steps),
             k_pad_front=geometry.front,
             k_pad_back=geometry.back,
+            shared=shared_blocks(
+                self.prefix, geometry, layer.tp_rank if sharded else 0, layer.tp_size, block
+            ),
         )
         kernel = self.kernels.kernel_for(spec)  # refuses what the kernel cannot run, before allocation
         device = torch.get_default_device()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checkpoint.names import runtime_layer_name
 from ..formats import e2m1_decode, e2m1_encode, pack_fp4
+from ..kernels import SharedBlocks
 from ..spec import FORMAT_TENSORS, CheckpointTensor, ValueRule
 from .state import MxLayerState, Phase, ShardGeometry
 
@@ -100,7 +102,8 @@ def shard_geometry(
     if front or back:
         logger.info(
             "%s: K=%d split over TP=%d gives %d per rank, not a multiple of %d; rank %d pads %d+%d zero "
-            "inputs to line its blocks up with the checkpoint's",
+            "inputs to line its blocks up with the checkpoint's, and the ranks agree on the shared blocks' "
+            "activation maxima (one all-reduce MAX per forward)",
             prefix,
             k_full,
             tp_size,
@@ -111,6 +114,24 @@ def shard_geometry(
             back,
         )
     return ShardGeometry(k_full=k_full, k=k, k0=k0, front=front, back=back, sharded=True)
+
+
+def tp_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """All-reduce (MAX) of ``t`` over vLLM's tensor-parallel group, in place; returns ``t``."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().device_group)
+    return t
+
+
+def shared_blocks(
+    prefix: str, geometry: ShardGeometry, tp_rank: int, tp_size: int, block: int
+) -> SharedBlocks | None:
+    """The blocks rank ``tp_rank`` shares with its neighbours (:class:`~..kernels.SharedBlocks`), whose
+    activation maxima the ranks agree on over vLLM's TP group; None for an unsharded layer."""
+    if not geometry.sharded:
+        return None
+    return SharedBlocks.of(prefix, geometry.k_full, tp_rank, tp_size, block, tp_reduce_max)
 
 
 def row_shard(geometry: ShardGeometry, tensor: CheckpointTensor | None, t: torch.Tensor) -> torch.Tensor:
@@ -294,6 +315,18 @@ def refuse_unknown_tensors(names: list[str], loaded: set[str]) -> None:
         )
 
 
+def _raised_in_vllm(exc: BaseException) -> bool:
+    """Whether the innermost Python frame of ``exc`` is vLLM's own code (its weight loaders), so that
+    errors of this package's kernels or of torch elsewhere keep their own message."""
+    import vllm
+
+    root = os.path.dirname(vllm.__file__) + os.sep
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(root)
+
+
 def guarded_load_weights(model: torch.nn.Module, load_weights: Callable, weights: Iterable) -> Any:
     """``model.load_weights(weights)`` with every vLLM loader failure named, and unknown tensors of
     quantized layers refused (the model's loader skips names it has no parameter for)."""
@@ -301,7 +334,7 @@ def guarded_load_weights(model: torch.nn.Module, load_weights: Callable, weights
     try:
         loaded = load_weights(stream)
     except (AssertionError, RuntimeError) as exc:  # a bare assert or narrow() overflow in vLLM's loaders
-        if stream.current is None:
+        if stream.current is None or not _raised_in_vllm(exc):
             raise
         raise ValueError(misfit_message(model, *stream.current, exc)) from exc
     if loaded is not None:
