@@ -32,12 +32,52 @@ def _prepared(plain_layer, kernel, k=K, n=N, seed=47):
 
 
 def test_weight_storage_is_adopted_and_tiles_padded(fake_aiter, plain_layer):
-    layer, prepared, _, _, data = _prepared(plain_layer, AiterSingle())
+    layer, prepared, _, _, data = _prepared(plain_layer, AiterSingle(), n=256)
     assert not torch.equal(layer.weight.data, data)  # the parameter holds AITER's shuffled bytes
     assert prepared.weight.is_shuffled
     layer, prepared, _, _, data = _prepared(plain_layer, AiterSingle(), k=80, n=40)
-    assert prepared.weight.shape == (48, 64)  # (roundup(N, 16), roundup(K, 64) / 2)
+    assert prepared.weight.shape == (256, 64)  # (roundup(N, 256): the asm tile width, roundup(K, 64) / 2)
     assert torch.equal(layer.weight.data, data)  # other shape: not adopted
+
+
+@pytest.mark.parametrize("n", [16, 96, 400])
+def test_n_is_padded_to_the_asm_tile_width_and_no_bias_reaches_the_gemm(vllm_env, fake_aiter, n):
+    """N % 16 is enough for the shuffle but not for the asm gemm_a4w4 (tiles 128/256): the kernel
+    pads N to 256 and adds the bias itself (the asm kernel would drop it)."""
+    w, b, x = weights(48, n=n)
+    layer = build(vllm_env, {"method": "mxfp4", "backend": "rocm"}, {"weight": w}, n=n, bias=b)
+    out = run(vllm_env, layer, x)
+    _, (a, bw, _, _), kwargs = [c for c in fake_aiter.calls if c[0] == "gemm_a4w4"][-1]
+    assert bw.shape[0] % 256 == 0 and kwargs["bias"] is None and kwargs["dtype"] == torch.bfloat16
+    assert a.dtype == torch.float4_e2m1fn_x2 and out.shape[-1] == n
+    no_bias = build(
+        vllm_env, {"method": "mxfp4", "backend": "rocm"}, {"weight": w}, n=n, bias=torch.zeros_like(b)
+    )
+    assert torch.equal(out, (run(vllm_env, no_bias, x).float() + b.float()).to(out.dtype))
+
+
+def test_the_fake_gemm_rejects_what_the_asm_kernel_rejects(fake_aiter):
+    aiter = fake_aiter.aiter
+    quant = aiter.get_hip_quant(aiter.QuantType.per_1x32)
+    x_q, x_s = quant(torch.randn(4, 128).to(torch.bfloat16), shuffle=True)
+    shuffle_weight = fake_aiter.modules["aiter.ops.shuffle"].shuffle_weight
+
+    def operands(n):
+        w_q, w_s = quant(torch.randn(n, 128).to(torch.bfloat16), shuffle=True)
+        return x_q, shuffle_weight(w_q, layout=(16, 16)), x_s, w_s
+
+    aiter.gemm_a4w4(*operands(256), dtype=torch.bfloat16)  # the valid call
+    for n in (16, 128 + 16):  # N % 16 satisfies the shuffle, not the asm tile table
+        with pytest.raises(FakeAiterError, match=f"cannot get heuristic kernel! N={n}"):
+            aiter.gemm_a4w4(*operands(n), dtype=torch.bfloat16)
+    for dtype in (torch.float16, torch.float32):
+        with pytest.raises(FakeAiterError, match="only support BFloat16 output"):
+            aiter.gemm_a4w4(*operands(256), dtype=dtype)
+    a, b, a_s, b_s = operands(256)
+    with pytest.raises(FakeAiterError, match="Unsupported input_type: torch.uint8"):
+        aiter.gemm_a4w4(a.view(torch.uint8), b, a_s, b_s, dtype=torch.bfloat16)
+    with pytest.raises(FakeAiterError, match="drops it"):
+        aiter.gemm_a4w4(a, b, a_s, b_s, bias=torch.zeros(1, 256), dtype=torch.bfloat16)
 
 
 def test_older_gemm_signature_gets_a_preallocated_output(vllm_env, monkeypatch):
@@ -99,8 +139,25 @@ def test_unshuffled_activation_scales_are_caught(fake_aiter):
     x = torch.randn(5, 128).to(torch.bfloat16)
     quant = fake_aiter.get_hip_quant(fake_aiter.aiter.QuantType.per_1x32)
     x_q, plain = quant(x, shuffle=False)
-    w_q, w_s = quant(torch.randn(32, 128).to(torch.bfloat16), shuffle=False)
+    w_q, w_s = quant(torch.randn(256, 128).to(torch.bfloat16), shuffle=False)
     w_sh = fake_aiter.shuffle_weight(w_q)
     w_s_sh = shuffle_scale_layout(w_s.view(torch.uint8)).view(w_s.dtype)
     with pytest.raises(FakeAiterError, match="A_scale must be the padded shuffled E8M0 layout"):
         fake_aiter.aiter.gemm_a4w4(x_q, w_sh, plain, w_s_sh)
+
+
+def test_the_probe_table_follows_the_scale_rules():
+    """RULE_BY_PROBE_CODES is what formats' scale rules give the probe maxima (and the independent
+    reference agrees): the probes tell every AITER-relevant rule apart, so a rule change in formats
+    or a typo in the table cannot go unnoticed."""
+    from tests.formats import reference as ref
+    from vllm_omni_mxfp4.formats import shared_exponent_codes
+    from vllm_omni_mxfp4.kernels.emulated_rocm import AITER_RULES
+    from vllm_omni_mxfp4.kernels.rocm import PROBE_AMAX, RULE_BY_PROBE_CODES
+
+    amax = torch.tensor(PROBE_AMAX, dtype=torch.float32)
+    by_rule = {rule: tuple(shared_exponent_codes(amax, rule).tolist()) for rule in AITER_RULES}
+    assert {codes: rule for rule, codes in by_rule.items()} == RULE_BY_PROBE_CODES
+    assert len(set(by_rule.values())) == len(AITER_RULES)  # every rule has its own signature
+    for rule, codes in by_rule.items():
+        assert codes == tuple(ref.scale_code(a, rule) for a in PROBE_AMAX), rule

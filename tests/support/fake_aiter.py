@@ -14,11 +14,15 @@ computes (docs/kernels.md, AITER's own source):
   permutation, same dtype, tagged ``is_shuffled = True``.
 - ``shuffle_scale`` / ``e8m0_shuffle``: pad to (256, 8) multiples (0xFF), then AITER's scale
   permutation; float32 scales are returned untouched, as AITER does.
-- ``gemm_a4w4``: A (M, K/2) and B (N, K/2) packed FP4 (fp4x2 or uint8), B tagged ``is_shuffled``
-  with ``bpreshuffle=True``; A_scale and B_scale ``float8_e8m0fnu`` in the padded shuffled layout
+- ``gemm_a4w4`` (the asm kernel, ``csrc/py_itfs_cu/asm_gemm_a4w4.cu``): A (M, K/2)
+  ``float4_e2m1fn_x2`` (its config lookup refuses uint8 activations when torch has fp4x2), B
+  (N, K/2) packed FP4 tagged ``is_shuffled`` with ``bpreshuffle=True``; N a multiple of
+  :data:`ASM_TILE_N` (the kernels exist only for N a multiple of their tile width); bf16 output
+  only; no bias (the asm kernel takes it as C with ``beta = 0`` and drops it, so passing one is an
+  error here); A_scale and B_scale ``float8_e8m0fnu`` in the padded shuffled layout
   ((roundup(M, 256), roundup(K/32, 8)) and (roundup(N, 256), ...)); the result is the dequantized
-  operands multiplied in float32 (+ bias (1, N) float32), in ``dtype``. ``gemm_api="out"`` fakes
-  the older signature that writes a preallocated bf16 ``out`` with rows padded to 32.
+  operands multiplied in float32, in bf16. ``gemm_api="out"`` fakes the older signature that
+  writes a preallocated bf16 ``out`` with rows padded to 32.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from vllm_omni_mxfp4.formats import MX_BLOCK_SIZE, dequantize_mx, quantize_mx
 FP4X2 = torch.float4_e2m1fn_x2
 E8M0 = torch.float8_e8m0fnu
 POISON = 0xFF
+#: N must be a multiple of this for the asm gemm_a4w4 to find a kernel: its tile widths are 128 or
+#: 256 by config, and only a multiple of 256 is certain to match one in every build.
+ASM_TILE_N = 256
 
 
 class FakeAiterError(ValueError):
@@ -207,6 +214,8 @@ class FakeAiter:
         return shuffle_scale_layout(raw).view(src.dtype)
 
     def _check_and_compute(self, A, B, A_scale, B_scale, bias, bpreshuffle) -> torch.Tensor:
+        if A.dtype != FP4X2:
+            raise FakeAiterError(f"gemm_a4w4: Unsupported input_type: {A.dtype} (A must be float4_e2m1fn_x2)")
         a = _bytes(A, "gemm_a4w4(A)")
         b = _bytes(B, "gemm_a4w4(B)")
         if a.dim() != 2 or b.dim() != 2 or not a.is_contiguous() or not b.is_contiguous():
@@ -214,6 +223,15 @@ class FakeAiter:
         (m, kb), n = a.shape, b.shape[0]
         if b.shape[1] != kb:
             raise FakeAiterError(f"gemm_a4w4: A has K/2={kb} but B has {b.shape[1]}")
+        if n % ASM_TILE_N:
+            raise FakeAiterError(
+                f"gemm_a4w4: cannot get heuristic kernel! N={n} is not a multiple of the asm tile width "
+                f"{ASM_TILE_N}"
+            )
+        if bias is not None:
+            raise FakeAiterError(
+                "gemm_a4w4: the asm kernel takes bias as C with beta=0 and drops it; add it after the GEMM"
+            )
         if not bpreshuffle:
             raise NotImplementedError("fake gemm_a4w4 models the preshuffled-B kernels (bpreshuffle=True)")
         if not getattr(B, "is_shuffled", False):
@@ -233,13 +251,7 @@ class FakeAiter:
         b_codes = unshuffle_scale_layout(b_s, n, groups)
         a_deq = dequantize_mx(a, a_codes, dtype=torch.float32)
         b_deq = dequantize_mx(unshuffle_weight_layout(b), b_codes, dtype=torch.float32)
-        if bias is not None:
-            if bias.dtype != torch.float32 or tuple(bias.shape) != (1, n):
-                raise FakeAiterError(
-                    f"gemm_a4w4: bias must be float32 (1, N) = (1, {n}), got {bias.dtype} {tuple(bias.shape)}"
-                )
-            bias = bias.reshape(n)
-        return F.linear(a_deq, b_deq, bias)
+        return F.linear(a_deq, b_deq)
 
     def gemm_a4w4(
         self,
@@ -269,8 +281,8 @@ class FakeAiter:
             )
         if alpha != 1.0 or beta != 0.0:
             raise NotImplementedError("fake gemm_a4w4 models alpha=1, beta=0")
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise FakeAiterError(f"gemm_a4w4: dtype must be a plain float dtype, got {dtype}")
+        if dtype != torch.bfloat16:
+            raise FakeAiterError(f"gemm_a4w4: only support BFloat16 output now! (dtype={dtype})")
         return self._check_and_compute(A, B, A_scale, B_scale, bias, bpreshuffle).to(dtype)
 
     def gemm_a4w4_out(self, A, B, A_scale, B_scale, out, bias=None, alpha=1.0, beta=0.0, bpreshuffle=True):

@@ -3,18 +3,19 @@
 - Online weights and activations: AITER's HIP per-1x32 quantizer
   ``aiter.get_hip_quant(aiter.QuantType.per_1x32)`` (FP4 E2M1, one E8M0 scale per 32).
 - Weights, online or from an offline single-scale checkpoint (packed FP4 + E8M0 scales, whatever
-  rule made them), are padded to AITER's tile multiples (N to 16, K to 64, with zero bytes and zero
-  codes), the bytes shuffled with ``aiter.ops.shuffle.shuffle_weight(w, layout=(16, 16))`` and
+  rule made them), are padded to AITER's tile multiples (N to 256, the asm GEMM's tile widths; K
+  to 64; zero bytes and zero codes), the bytes shuffled with ``aiter.ops.shuffle.shuffle_weight(w, layout=(16, 16))`` and
   the scales with ``aiter.utility.fp4_utils.e8m0_shuffle``. The shuffled bytes replace the
-  ``weight`` parameter's storage (same shape) and ``state_dict()`` un-shuffles them, so the state
+  ``weight`` parameter's storage (when the padding leaves the shape unchanged) and ``state_dict()`` un-shuffles them, so the state
   dict keeps the checkpoint tensors without a second copy on the GPU.
 - Forward: Smooth (``mul_scale``) multiplies the activations in their dtype, float32 activations
   are rounded to bf16 (AITER quantizes bf16/fp16), then one custom op
   ``vllm_omni_mxfp4::rocm_mxfp4_gemm`` (with a fake implementation, so ``torch.compile`` traces
   around it) quantizes the activations with shuffled scales and runs ``aiter.gemm_a4w4`` with a
-  bf16 output. The bias is added afterwards in float32 (some ``gemm_a4w4`` paths drop their bias
-  argument) and the result cast to the caller's dtype, so fp16 and float32 callers see
-  bf16-rounded GEMM results.
+  bf16 output (the only output type of the asm kernels). The bias is never passed to
+  ``gemm_a4w4``: the asm kernel takes it as the C operand of ``D = alpha * A B + beta * C`` with
+  ``beta = 0``, so it would be dropped; it is added afterwards in float32 and the result cast to the
+  caller's dtype, so fp16 and float32 callers see bf16-rounded GEMM results.
 
 The scale rule is AITER's, not the config's FLOOR; it changed between AITER versions (see
 ``docs/kernels.md``). The kernel records which one the installed AITER uses by quantizing three
@@ -43,8 +44,12 @@ from .base import Call, MxKernel, MxLayerSpec, Prepared, checked_scale, installe
 
 logger = logging.getLogger(__name__)
 
-#: AITER tile multiples of ``shuffle_weight(layout=(16, 16))`` on packed FP4: N % 16, (K/2) % 32.
-N_MULTIPLE = 16
+#: N padding: ``shuffle_weight(layout=(16, 16))`` needs N % 16, but the asm ``gemm_a4w4`` kernels
+#: exist only for N a multiple of their tile width (``N % cfg.tile_N == 0`` in AITER's
+#: ``get_heuristic_kernel``; 128 or 256 by config), else "cannot get heuristic kernel". A multiple
+#: of 256 finds a kernel whatever the installed build's tile table holds.
+N_MULTIPLE = 256
+#: K padding of ``shuffle_weight(layout=(16, 16))`` on packed FP4: (K/2) % 32.
 K_MULTIPLE = 64
 #: Probe block maxima and the E8M0 codes each rule gives them (the scale-rule table of ``formats``).
 PROBE_AMAX = (1.5, 1.75, 6.5)
