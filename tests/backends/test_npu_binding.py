@@ -41,6 +41,39 @@ def test_w4a8_call(vllm_env, fake_npu):
     assert kw["output_dtype"] == torch.bfloat16 and kw["bias"].dtype == torch.bfloat16
 
 
+def test_w4a8_steps_of_a_uos_layer_quantize_fp8_activations_with_scale_alg_0(vllm_env, fake_npu, monkeypatch):
+    """UOS (scale_alg=2) is an FP4 rule: on the layer's W4A8 steps the FP8 activations use FLOOR
+    (scale_alg=0), while its A4 steps keep UOS; the fake refuses UOS arguments for FP8."""
+    import vllm_omni_mxfp4.kernels.npu as npu_module
+    from vllm_omni_mxfp4.steps import denoise_step
+
+    w, b, x = weights(30)
+    spec = {"method": "mxfp4", "mxfp4_scale_alg": 2, "w4a8_fallback_steps": [1]}
+    emu = build(vllm_env, {**spec, "backend": "emulated"}, {"weight": w}, bias=b)
+    npu = build(vllm_env, {**spec, "backend": "npu"}, {"weight": w}, bias=b)
+    for step, (dst_type, alg) in enumerate([(fake_npu.float4_e2m1fn_x2, 2), (torch.float8_e4m3fn, 0)]):
+        with denoise_step(step):
+            assert torch.equal(run(vllm_env, npu, x), run(vllm_env, emu, x)), step
+        kw = _calls(fake_npu, "npu_dynamic_mx_quant")[-1][2]
+        assert (kw["dst_type"], kw["scale_alg"]) == (dst_type, alg), step
+    # A kernel that quantized A8 activations with the layer's UOS arguments is refused.
+    real = npu_module.NpuSingle._matmul
+
+    def a8_with_uos(self, x, call):
+        quant = self.npu.npu_dynamic_mx_quant
+        self.npu.npu_dynamic_mx_quant = lambda t, **kw: quant(
+            t, **{**kw, **npu_module.SCALE_ALG_KWARGS["uos"]}
+        )
+        try:
+            return real(self, x, call)
+        finally:
+            self.npu.npu_dynamic_mx_quant = quant
+
+    monkeypatch.setattr(npu_module.NpuSingle, "_matmul", a8_with_uos)
+    with denoise_step(1), pytest.raises(FakeNpuError, match="only for FP4 E2M1"):
+        run(vllm_env, npu, x)
+
+
 def test_dualscale_weight_is_adopted_as_nz_and_activations_padded(vllm_env, fake_npu):
     k = 768
     w, b, x = weights(26, k=k)
