@@ -340,3 +340,14 @@ def test_config_that_disagrees_with_the_tensors_is_one_clear_error(vllm_env, off
 def test_the_valid_checkpoint_still_loads_and_the_model_keeps_its_loader(vllm_env, offline_dirs):
     model = build_expert(vllm_env, offline_dirs["mxfp4"], None)
     assert "load_weights" not in vars(model)  # the guard wraps one load, then steps aside
+
+
+def test_errors_raised_outside_vllm_keep_their_own_message():
+    from vllm_omni_mxfp4.omni.loading import guarded_load_weights
+
+    def load_weights(weights):
+        for _ in weights:
+            raise RuntimeError("a kernel failed")  # not vLLM's loader: nothing to rename
+
+    with pytest.raises(RuntimeError, match="^a kernel failed$"):
+        guarded_load_weights(torch.nn.Module(), load_weights, [("blocks.0.attn2.to_q.weight", torch.ones(2))])
