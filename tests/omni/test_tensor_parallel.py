@@ -79,7 +79,7 @@ def _load_dual_row(env, ckpt, smooth, k, dtype=torch.bfloat16, backend="emulated
     return layer
 
 
-@pytest.mark.parametrize("k,tp", [(1536, 2), (2048, 2), (3072, 4), (1536, 4)])
+@pytest.mark.parametrize("k,tp", [(1536, 2), (2048, 2), (3072, 4), (1536, 4), (1280, 2)])
 def test_offline_dualscale_row_parallel_any_split(vllm_env, as_rank, monkeypatch, k, tp):
     """K/TP need not be a multiple of 512 (Wan2.2-A14B ffn.net_2: 13824/2 = 6912): each rank's
     partial equals TP=1's quantization cut to its K range, given the group's block maxima (here
@@ -128,6 +128,8 @@ def test_shared_blocks_geometry_and_refusal():
     assert (of(1536, 1, 2).first, of(1536, 1, 2).last) == (0, None)
     mid = of(1536, 1, 4)  # cuts at 384, 768, 1152; rank 1 is [384, 768): blocks 0 and 1, both shared
     assert (mid.blocks, mid.first, mid.last) == ((0, 1, 2), 0, 1)
+    last = of(1280, 1, 2)  # [640, 1280): its back padding lies past K (zeros at TP=1 too), not shared
+    assert (last.blocks, last.first, last.last) == ((1,), 0, None)
     assert of(1040, 0, 2, block=32).blocks == (16,)  # single scale: 520 = 16 blocks of 32 + 8
     with pytest.raises(NotImplementedError, match=r"blocks\.0\.ffn\.net_2: K=1040 split over TP=2 gives 520"):
         of(1040, 0, 2)  # the boundary splits a 32-block inside a 512-chunk

@@ -92,7 +92,7 @@ class SharedBlocks:
         blocks = tuple(sorted({c // block for c in cuts}))
         k0, end = rank * k, (rank + 1) * k
         first = blocks.index(k0 // block) if k0 % block else None
-        last = blocks.index(end // block) if end % block else None
+        last = blocks.index(end // block) if end % block and end < k_full else None  # K's end: zeros
         return cls(block, blocks, first, last, reduce_max)
 
     def stamp(self, x: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
