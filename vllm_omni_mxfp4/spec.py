@@ -209,7 +209,14 @@ WEIGHT_DUAL_SCALE = CheckpointTensor(
     required=True,
 )
 MUL_SCALE = CheckpointTensor(
-    "mul_scale", ("F32",) + FLOAT_DTYPES[:2], "(K,)", lambda n, k: (k,), 0, 1, "finite_positive", required=False
+    "mul_scale",
+    ("F32",) + FLOAT_DTYPES[:2],
+    "(K,)",
+    lambda n, k: (k,),
+    0,
+    1,
+    "finite_positive",
+    required=False,
 )
 MUL_SCALE_REQUIRED = CheckpointTensor(
     "mul_scale", MUL_SCALE.dtypes, "(K,)", lambda n, k: (k,), 0, 1, "finite_positive", required=True
