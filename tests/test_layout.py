@@ -200,7 +200,7 @@ IMPORT_RULES = (
     ),
     ImportRule(
         f"{P}.checkpoint",
-        ("torch", f"{P}.omni", f"{P}.kernels", f"{P}.backends"),
+        ("torch", f"{P}.omni", f"{P}.kernels"),
         why="the merge runs without torch and without the serving engine",
     ),
     ImportRule(
@@ -208,11 +208,16 @@ IMPORT_RULES = (
     ),
     ImportRule(
         f"{P}.platform",
-        (f"{P}.omni", f"{P}.kernels", f"{P}.backends", f"{P}.config", f"{P}.checkpoint"),
+        (f"{P}.omni", f"{P}.kernels", f"{P}.config", f"{P}.checkpoint"),
         why="the CPU platform knows nothing of quantization",
     ),
+    ImportRule(
+        f"{P}.sources",
+        (P, "vllm", "vllm_omni"),
+        (f"{P}.sources", f"{P}.formats", f"{P}.spec"),
+        "a checkpoint source reads a producer's layout into formats' types; the engine calls it, not back",
+    ),
     ImportRule(f"{P}.kernels", (f"{P}.omni",), why="kernels serve the vLLM glue, not the other way round"),
-    ImportRule(f"{P}.backends", (f"{P}.omni",), why="kernels serve the vLLM glue, not the other way round"),
 )
 
 

@@ -9,13 +9,19 @@ constants (``MX_BLOCK_SIZE``, ``DUAL_BLOCK_SIZE``, ``NAN_CODE``, ``UOS_DST_TYPE_
 - :mod:`.mx`: MX block quantization (FP4 / FP8), dequantization and quantize-dequantize;
 - :mod:`.dualscale`: the dual-level format (coarse float32 scale per 512 over MXFP4);
 - :mod:`.layout`: the NPU scale layout;
-- :mod:`.rows`: row chunking and block padding shared by the quantizers.
+- :mod:`.rows`: row chunking and block padding shared by the quantizers;
+- :mod:`.nvfp4`: the canonical NVFP4 weight (E2M1 codes, E4M3 scale per 16, float32 global scale)
+  and its exact float32 dequantization;
+- :mod:`.requant`: NVFP4 -> MXFP4 requantization per 32-block (``floor``, ``even``, ``rceil``,
+  ``mse``) with a per-layer error report.
 """
 
 from .dualscale import DUAL_BLOCK_SIZE, dequantize_dualscale, level0_scales, quantize_dualscale
 from .e2m1 import E2M1_MAX, E2M1_VALUES, e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
 from .layout import from_npu_scale_layout, to_npu_scale_layout
 from .mx import MX_BLOCK_SIZE, block_amax, dequantize_mx, fake_quantize_mx, quantize_mx
+from .nvfp4 import Nvfp4Weight, dequantize_nvfp4
+from .requant import REQUANT_RULES, requantize_nvfp4
 from .scale_rules import (
     NAN_CODE,
     SCALE_RULES,
@@ -30,11 +36,14 @@ __all__ = [
     "E2M1_VALUES",
     "MX_BLOCK_SIZE",
     "NAN_CODE",
+    "REQUANT_RULES",
+    "Nvfp4Weight",
     "SCALE_RULES",
     "UOS_DST_TYPE_MAX",
     "block_amax",
     "dequantize_dualscale",
     "dequantize_mx",
+    "dequantize_nvfp4",
     "e2m1_decode",
     "e2m1_encode",
     "e8m0_to_float",
@@ -44,6 +53,7 @@ __all__ = [
     "pack_fp4",
     "quantize_dualscale",
     "quantize_mx",
+    "requantize_nvfp4",
     "shared_exponent_codes",
     "to_npu_scale_layout",
     "unpack_fp4",

@@ -35,7 +35,7 @@ import torch
 
 from vllm_omni_mxfp4 import spec
 
-from . import e2m1_decode, unpack_fp4  # the package's public API: stable across its internal moves
+from .e2m1 import e2m1_decode, unpack_fp4
 
 NVFP4_BLOCK = spec.NVFP4_BLOCK
 DEQUANT_ORDERS = ("exact", "scale_first")

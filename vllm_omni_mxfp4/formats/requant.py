@@ -36,8 +36,9 @@ import torch
 
 from vllm_omni_mxfp4 import spec
 
-from . import e2m1_decode, e2m1_encode, e8m0_to_float, pack_fp4, shared_exponent_codes, unpack_fp4
+from .e2m1 import e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
 from .nvfp4 import Nvfp4Weight, dequantize_nvfp4, row_slices
+from .scale_rules import e8m0_to_float, shared_exponent_codes
 
 REQUANT_RULES = ("floor", "even", "rceil", "mse")
 """The exponent rules :func:`requantize_nvfp4` accepts."""
