@@ -245,13 +245,14 @@ def iter_values(ref: TensorRef) -> Iterator[np.ndarray]:
             yield decode_array(raw, ref.dtype, (want // size,))
 
 
-def _first_marked(ref: TensorRef, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple | None:
+def _first_marked(ref: TensorRef, chunks: Iterable[tuple[np.ndarray, tuple]]) -> tuple | None:
+    """``(index in ref's shape, payload values there)`` of the first element a chunk's mask marks."""
     start = 0
-    for marked, values in chunks:
+    for marked, payload in chunks:
         found = np.flatnonzero(marked)
         if found.size:
             at = np.unravel_index(start + int(found[0]), ref.shape)
-            return [int(i) for i in at], int(found[0]), values
+            return [int(i) for i in at], *(float(values[found[0]]) for values in payload)
         start += marked.size
     return None
 
@@ -260,22 +261,13 @@ def first_bad_value(
     ref: TensorRef, bad: Callable[[np.ndarray], np.ndarray]
 ) -> tuple[list[int], float] | None:
     """The index (in the tensor's shape) and the value of the first element ``bad`` marks, or ``None``."""
-    found = _first_marked(ref, ((bad(v), v) for v in iter_values(ref)))
-    return None if found is None else (found[0], float(found[2][found[1]]))
+    return _first_marked(ref, ((bad(v), (v,)) for v in iter_values(ref)))
 
 
 def first_difference(a: TensorRef, b: TensorRef) -> tuple[list[int], float, float] | None:
     """The first index where two tensors of the same shape hold different numbers (whatever their
-    dtypes; -0.0 equals 0.0) and the two values, or ``None`` when every value is equal."""
-    pairs = zip(iter_values(a), iter_values(b))
-    found = _first_marked(
-        a,
-        (
-            (x.astype(np.float64) != y.astype(np.float64), np.stack((x, y)).astype(np.float64))
-            for x, y in pairs
-        ),
-    )
-    return None if found is None else (found[0], float(found[2][0, found[1]]), float(found[2][1, found[1]]))
+    dtypes: numpy compares them exactly; -0.0 equals 0.0) and the two values, or ``None``."""
+    return _first_marked(a, ((x != y, (x, y)) for x, y in zip(iter_values(a), iter_values(b))))
 
 
 class TensorSource(Protocol):
