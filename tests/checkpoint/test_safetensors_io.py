@@ -179,3 +179,23 @@ def test_corrupt_headers_are_errors(tmp_path):
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(12))
     with pytest.raises(CheckpointError, match="overlap or leave gaps"):
         read_header(path)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["copy_file_range", "read-write"])
+def test_file_copies_move_bounded_chunks(tmp_path, monkeypatch, fast):
+    """A copied pipeline file of any size is moved chunk by chunk (one system call each), so a signal
+    is handled between chunks instead of after one call that copies the whole file."""
+    import os
+
+    from vllm_omni_mxfp4.checkpoint import merger, safetensors_io
+
+    monkeypatch.setattr(safetensors_io, "COPY_CHUNK", 1000)
+    if not fast:
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
+    src = tmp_path / "big.bin"
+    data = np.random.default_rng(0).integers(0, 256, 10_500, dtype=np.uint8).tobytes()
+    src.write_bytes(data)
+    steps: list[int] = []
+    assert merger._copy_file(src, tmp_path / "out" / "big.bin", steps.append) == len(data)
+    assert (tmp_path / "out" / "big.bin").read_bytes() == data
+    assert len(steps) == 11 and max(steps) <= 1000 and sum(steps) == len(data)
