@@ -68,7 +68,9 @@ def _wait_for(path: Path, proc: subprocess.Popen) -> None:
         time.sleep(0.02)
 
 
-def _start(tmp_path: Path, scenario, out: Path, hold_cleanup: bool = False) -> subprocess.Popen:
+def _start(
+    tmp_path: Path, scenario, out: Path, hold_cleanup: bool = False, preexec=_default_signals
+) -> subprocess.Popen:
     marker = tmp_path / "midway"
     argv = ["merge", "--model-type", "Wan2.2-T2V-A14B", "--original-model", str(scenario.original)]
     argv += ["--quant-path", str(scenario.quant), "--output-path", str(out)]
@@ -77,7 +79,7 @@ def _start(tmp_path: Path, scenario, out: Path, hold_cleanup: bool = False) -> s
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_default_signals,
+        preexec_fn=preexec,
         env={**os.environ},  # HOME is the session's temporary home (conftest), so is the registry
     )
     _wait_for(marker, proc)
@@ -182,6 +184,24 @@ def test_a_second_ctrl_c_during_the_cleanup_does_not_stop_it(tmp_path, dual_expo
     err = _finish(proc)
     assert proc.returncode == 130, err
     assert "error: interrupted (SIGINT); no output was written" in err and "Traceback" not in err
+    assert list(parent.iterdir()) == [] and _registry() == []
+
+
+def _nohup() -> None:
+    _default_signals()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def test_a_signal_the_parent_ignores_stays_ignored(tmp_path, dual_export):
+    """Under ``nohup`` a hang-up does not stop the merge; a later SIGTERM still cleans up."""
+    parent = tmp_path / "models"
+    parent.mkdir()
+    proc = _start(tmp_path, dual_export, parent / "merged", preexec=_nohup)
+    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGTERM)  # SIGHUP is ignored: this is the one the merge reports
+    err = _finish(proc)
+    assert proc.returncode == 143, err
+    assert "error: terminated (SIGTERM); no output was written" in err
     assert list(parent.iterdir()) == [] and _registry() == []
 
 
