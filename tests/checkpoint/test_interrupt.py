@@ -240,3 +240,15 @@ def test_only_staging_dirs_of_processes_that_are_gone_are_stale(tmp_path):
     gone = ("dead", "dead_replaced", "other_target", "pid_reused")
     assert set(removed) == {tmp_path / names[k][0] for k in gone}
     assert {p.name for p in tmp_path.iterdir()} == {n for k, (n, _) in names.items() if k not in gone}
+
+
+def test_registry_entries_are_pruned_only_when_their_owner_is_gone(tmp_path):
+    host, registry = staging._host(), staging.registry_dir()
+    registry.mkdir(parents=True)
+    entries = {}
+    for key, pid in (("dead", _dead_pid()), ("being_created", os.getpid())):
+        path = tmp_path / "elsewhere" / f".out.mxfp4-merge-staging.{host}.{pid}.{key.encode().hex()}"
+        entries[key] = registry / f"{path.name[1:]}.json"
+        entries[key].write_text(json.dumps({"host": host, "pid": pid, "start": None, "path": str(path)}))
+    assert staging.remove_stale(tmp_path / "out") == []
+    assert not entries["dead"].exists() and entries["being_created"].exists()

@@ -144,23 +144,31 @@ def stale_dirs(target: Path) -> list[Path]:
         candidates.update(p for p in target.parent.iterdir() if _NAME_RE.fullmatch(p.name))
     stale = []
     for path in sorted(candidates):
-        if not path.is_dir() or path.is_symlink():
-            if not path.exists():
-                _unregister(path)
-            continue
-        owner = _read_owner(path)
-        if owner is not None and owner_gone(owner):
-            stale.append(path)
+        if path.is_dir() and not path.is_symlink():
+            owner = _read_owner(path)
+            if owner is not None and owner_gone(owner):
+                stale.append(path)
     return stale
 
 
+def _prune_registry() -> None:
+    """Drop registry entries whose directory is gone and whose owner is gone too (a live merge
+    registers its staging directory just before creating it)."""
+    for path in _registered_paths():
+        if not path.exists() and not path.is_symlink():
+            owner = _read_owner(path)
+            if owner is not None and owner_gone(owner):
+                _unregister(path)
+
+
 def remove_stale(target: Path) -> list[Path]:
-    """Remove what :func:`stale_dirs` finds; returns the removed paths."""
+    """Remove what :func:`stale_dirs` finds (and prune the registry); returns the removed paths."""
     removed = stale_dirs(target)
     for path in removed:
         logger.warning("removing %s, left by an interrupted merge", path)
         shutil.rmtree(path, ignore_errors=True)
         _unregister(path)
+    _prune_registry()
     return removed
 
 
