@@ -1,0 +1,443 @@
+"""Build any vLLM-Omni diffusion transformer from a tiny random config, BF16 and quantized online.
+
+Everything here runs under the ``vllm_env`` fixture (``tests/conftest.py``). A :class:`Case` names
+the transformer class, the tiny constructor arguments of its own class and a function that makes
+its forward's keyword arguments. :func:`measure` builds the BF16 model with deterministic random
+weights, builds the same class with an online quantization spec (weights on the meta device, as our
+methods create them), loads the BF16 model's tensors through each parameter's own weight loader
+(runtime names: a fused Q/K/V arrives whole and vLLM splits it, as for a fused checkpoint), runs
+vLLM-Omni's post-load step, and compares one forward on the same inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TABLE_TOOL = ROOT / "tools" / "model_table.py"
+
+# Online specs of both methods; DualScale keeps no leading block in BF16 (tiny models have 1-2 blocks).
+SPECS = {
+    "mxfp4": "mxfp4",
+    "mxfp4_dualscale": {"quant_method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0},
+}
+
+
+def table_tool():
+    """``tools/model_table.py`` as a module (it is a script, not part of a package)."""
+    if "model_table" in sys.modules:
+        return sys.modules["model_table"]
+    spec = importlib.util.spec_from_file_location("model_table", TABLE_TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["model_table"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def scanned() -> tuple:
+    """The table tool's scan of the installed vLLM-Omni (once per test process: it parses every
+    model file)."""
+    return tuple(table_tool().scan())
+
+
+@dataclass(frozen=True)
+class Case:
+    """One transformer: ``key`` as in the model table (``package.Class``), its module, tiny config
+    and inputs (``inputs()`` returns the forward's keyword arguments, fixed seed, bf16)."""
+
+    key: str
+    module: str
+    config: dict
+    inputs: Callable[[], dict]
+    output: Callable[[object], torch.Tensor] = field(default=lambda out: out[0])
+
+    @property
+    def cls(self):
+        return getattr(importlib.import_module(self.module), self.key.split(".")[1])
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.flatten().double(), b.flatten().double()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+def randn(*shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+
+def _fill(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A deterministic value for parameter ``name``: weights ~ N(0, 1/K), norms ~ 1, the rest small."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    r = torch.randn(t.shape, generator=g)
+    if t.dim() >= 2:
+        r = r / t.shape[-1] ** 0.5
+    elif "norm" in name and name.endswith("weight"):
+        r = 1 + 0.1 * r
+    else:
+        r = 0.02 * r
+    return r.to(t.dtype)
+
+
+def build(env, case: Case, spec=None):
+    """``case``'s transformer, built as vLLM-Omni's pipeline builds it (bf16 default dtype)."""
+    from vllm_omni_mxfp4.omni import build_quant_config
+
+    kwargs = dict(case.config, quant_config=build_quant_config(spec) if spec is not None else None)
+    if "od_config" in inspect.signature(case.cls.__init__).parameters:
+        from vllm_omni.diffusion.data import TransformerConfig
+
+        # some constructors read the diffusers config from od_config as the pipeline sets it
+        env.od_config.tf_model_config = TransformerConfig(params=dict(case.config))
+        kwargs["od_config"] = env.od_config
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with env.context():
+            return case.cls(**kwargs)
+    finally:
+        torch.set_default_dtype(old)
+
+
+def randomize(model) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.data = _fill(name, p)
+
+
+def load_from(env, model, source: dict[str, torch.Tensor]) -> None:
+    """Load ``source`` (runtime name -> tensor) into ``model`` through each parameter's weight loader, then
+    vLLM-Omni's post-load step (which finishes our layers)."""
+    with env.context(), torch.no_grad():
+        for name, p in list(model.named_parameters()):
+            loader = getattr(p, "weight_loader", None)
+            if loader is None:
+                p.data.copy_(source[name])
+            else:
+                loader(p, source[name].clone())
+    finish(env, model)
+
+
+def finish(env, model) -> None:
+    """vLLM-Omni's post-load step (``process_weights_after_loading`` of every layer)."""
+    from vllm.config import LoadConfig
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+
+    with env.context(), torch.no_grad():
+        DiffusersPipelineLoader(LoadConfig(), env.od_config)._process_weights_after_loading(
+            model, torch.device("cpu")
+        )
+    model.eval()
+
+
+def forward(env, case: Case, model) -> torch.Tensor:
+    with env.context(), torch.no_grad():
+        return case.output(model(**case.inputs())).float()
+
+
+def quantized_names(model) -> list[str]:
+    from vllm_omni_mxfp4.omni.linear import MxLinearMethod
+
+    return sorted(
+        n for n, m in model.named_modules() if isinstance(getattr(m, "quant_method", None), MxLinearMethod)
+    )
+
+
+def plain_linears(model) -> list[str]:
+    """Runtime names of the model's plain ``nn.Linear`` (always BF16)."""
+    return sorted(n for n, m in model.named_modules() if type(m) is torch.nn.Linear)
+
+
+def unquantized_vllm_linears(model) -> list[str]:
+    """Runtime names of the vLLM Linears the model built without a quantization config (BF16)."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    return sorted(
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, LinearBase) and isinstance(m.quant_method, UnquantizedLinearMethod)
+    )
+
+
+def fused_linears(model) -> list[str]:
+    """Runtime names of the fused Linears (Q/K/V or merged columns: one runtime weight, several
+    checkpoint tensors)."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    fused = (QKVParallelLinear, MergedColumnParallelLinear)
+    return sorted(n for n, m in model.named_modules() if isinstance(m, fused))
+
+
+def patterns(names) -> list[str]:
+    """Names with block indices folded (``blocks.0.x``, ``blocks.1.x`` -> ``blocks.*.x``), sorted."""
+    return sorted({re.sub(r"\.\d+(?=\.|$)", ".*", n) for n in names})
+
+
+@dataclass
+class Measurement:
+    quantized: dict[str, list[str]]
+    cosine: dict[str, float]
+    max_abs: dict[str, float]
+    plain: list[str]
+    unquantized: list[str]
+    fused: list[str]
+    packed: dict[str, list[str]]
+
+
+def measure(env, case: Case, methods=tuple(SPECS)) -> Measurement:
+    """BF16 vs each online method on one forward of ``case``'s tiny transformer."""
+    torch.manual_seed(0)
+    ref = build(env, case)
+    randomize(ref)
+    weights = {name: p.detach().clone() for name, p in ref.named_parameters()}
+    finish(env, ref)  # vLLM's CPU Linears repack their weights here
+    expect = forward(env, case, ref)
+    packed = dict(getattr(ref, "packed_modules_mapping", {}))
+    out = Measurement({}, {}, {}, plain_linears(ref), [], fused_linears(ref), packed)
+    for method in methods:
+        model = build(env, case, SPECS[method])
+        load_from(env, model, weights)
+        got = forward(env, case, model)
+        out.quantized[method] = quantized_names(model)
+        out.unquantized = unquantized_vllm_linears(model)
+        out.cosine[method] = cosine(got, expect)
+        out.max_abs[method] = (got - expect).abs().max().item()
+    return out
+
+
+def record(m: Measurement) -> dict:
+    """The table's record of a measurement (``tools/model_table.py`` ``MEASURED`` entry)."""
+    counts = {len(names) for names in m.quantized.values()}
+    assert len(counts) == 1, (
+        f"the methods quantize different Linears: { {k: len(v) for k, v in m.quantized.items()} }"
+    )
+    return {
+        "quantized": counts.pop(),
+        "plain": patterns(m.plain),
+        "unquantized": patterns(m.unquantized),
+        "fused": patterns(m.fused),
+        "packed": m.packed,
+        "cosine": {method: round(value, 5) for method, value in m.cosine.items()},
+    }
+
+
+# ----------------------------------------------------------------------------- the tiny configs
+
+WAN = Case(
+    "wan2_2.WanTransformer3DModel",
+    "vllm_omni.diffusion.models.wan2_2.wan2_2_transformer",
+    dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=1024,
+        num_layers=2,
+        rope_max_seq_len=64,
+    ),
+    lambda: dict(
+        hidden_states=randn(1, 16, 3, 8, 8, seed=1),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=randn(1, 16, 32, seed=2),
+        return_dict=False,
+    ),
+)
+
+QWEN_IMAGE = Case(
+    "qwen_image.QwenImageTransformer2DModel",
+    "vllm_omni.diffusion.models.qwen_image.qwen_image_transformer",
+    dict(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=128,
+        num_attention_heads=4,
+        joint_attention_dim=64,
+        axes_dims_rope=(16, 56, 56),
+    ),
+    lambda: dict(
+        hidden_states=randn(1, 16, 64, seed=1),
+        encoder_hidden_states=randn(1, 8, 64, seed=2),
+        encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long),
+        timestep=torch.tensor([0.5], dtype=torch.bfloat16),
+        img_shapes=[[(1, 4, 4)]],
+        txt_seq_lens=[8],
+        return_dict=False,
+    ),
+)
+
+FLUX = Case(
+    "flux.FluxTransformer2DModel",
+    "vllm_omni.diffusion.models.flux.flux_transformer",
+    dict(
+        patch_size=1,
+        in_channels=64,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=128,
+        num_attention_heads=4,
+        joint_attention_dim=64,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    ),
+    lambda: dict(
+        hidden_states=randn(1, 16, 64, seed=1),
+        encoder_hidden_states=randn(1, 8, 64, seed=2),
+        pooled_projections=randn(1, 32, seed=3),
+        timestep=torch.tensor([0.5], dtype=torch.bfloat16),
+        img_ids=_ids(16, 3, image=True),
+        txt_ids=torch.zeros(8, 3),
+        guidance=torch.tensor([3.5], dtype=torch.bfloat16),
+        return_dict=False,
+    ),
+)
+
+FLUX2_KLEIN = Case(
+    "flux2_klein.Flux2Transformer2DModel",
+    "vllm_omni.diffusion.models.flux2_klein.flux2_klein_transformer",
+    dict(
+        patch_size=1,
+        in_channels=128,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=128,
+        num_attention_heads=4,
+        joint_attention_dim=64,
+        timestep_guidance_channels=256,
+        axes_dims_rope=(32, 32, 32, 32),
+        guidance_embeds=False,
+    ),
+    lambda: dict(
+        hidden_states=randn(1, 16, 128, seed=1),
+        encoder_hidden_states=randn(1, 8, 64, seed=2),
+        timestep=torch.tensor([0.5], dtype=torch.bfloat16),
+        img_ids=_ids(16, 4, image=True),
+        txt_ids=_ids(8, 4, image=False),
+        return_dict=False,
+    ),
+)
+
+FLUX2 = Case(
+    "flux2.Flux2Transformer2DModel",
+    "vllm_omni.diffusion.models.flux2.flux2_transformer",
+    dict(FLUX2_KLEIN.config, guidance_embeds=True),
+    lambda: dict(FLUX2_KLEIN.inputs(), guidance=torch.tensor([4.0], dtype=torch.bfloat16)),
+)
+
+Z_IMAGE = Case(
+    "z_image.ZImageTransformer2DModel",
+    "vllm_omni.diffusion.models.z_image.z_image_transformer",
+    dict(
+        in_channels=16,
+        dim=768,  # FFN hidden int(dim / 3 * 8) = 2048 (dim 512 would give an odd K of 1365)
+        n_layers=1,
+        n_refiner_layers=1,
+        n_heads=6,
+        n_kv_heads=6,
+        cap_feat_dim=64,
+        axes_dims=[32, 48, 48],
+        axes_lens=[64, 64, 64],
+    ),
+    lambda: dict(
+        x=[randn(16, 1, 8, 8, seed=1)],
+        t=torch.tensor([0.5], dtype=torch.bfloat16),
+        cap_feats=[randn(8, 64, seed=2)],
+    ),
+    output=lambda out: out[0][0],
+)
+
+
+HUNYUAN_VIDEO_15 = Case(
+    "hunyuan_video.HunyuanVideo15Transformer3DModel",
+    "vllm_omni.diffusion.models.hunyuan_video.hunyuan_video_15_transformer",
+    dict(
+        in_channels=65,
+        out_channels=32,
+        num_attention_heads=4,
+        attention_head_dim=128,
+        num_layers=1,
+        num_refiner_layers=1,
+        text_embed_dim=64,
+        text_embed_2_dim=32,
+        image_embed_dim=64,
+        rope_axes_dim=(16, 56, 56),
+        task_type="t2v",
+    ),
+    lambda: dict(
+        hidden_states=randn(1, 65, 2, 4, 4, seed=1),
+        timestep=torch.tensor([500.0], dtype=torch.bfloat16),
+        encoder_hidden_states=randn(1, 8, 64, seed=2),
+        encoder_attention_mask=torch.ones(1, 8, dtype=torch.long),
+        encoder_hidden_states_2=randn(1, 4, 32, seed=3),
+        encoder_attention_mask_2=torch.ones(1, 4, dtype=torch.long),
+        image_embeds=randn(1, 4, 64, seed=4),
+        image_embeds_mask=torch.ones(1, 4, dtype=torch.long),
+        return_dict=False,
+    ),
+)
+
+
+LTX2 = Case(
+    "ltx2.LTX2VideoTransformer3DModel",
+    "vllm_omni.diffusion.models.ltx2.ltx2_transformer",
+    dict(
+        in_channels=128,
+        out_channels=128,
+        num_attention_heads=4,
+        attention_head_dim=128,
+        cross_attention_dim=512,
+        audio_in_channels=128,
+        audio_out_channels=128,
+        audio_num_attention_heads=4,
+        audio_attention_head_dim=64,
+        audio_cross_attention_dim=256,
+        num_layers=1,
+        caption_channels=64,
+    ),
+    lambda: dict(
+        hidden_states=randn(1, 16, 128, seed=1),
+        audio_hidden_states=randn(1, 8, 128, seed=2),
+        encoder_hidden_states=randn(1, 8, 64, seed=3),
+        audio_encoder_hidden_states=randn(1, 8, 64, seed=4),
+        timestep=torch.tensor([0.5], dtype=torch.bfloat16),
+        num_frames=1,
+        height=4,
+        width=4,
+        audio_num_frames=8,
+        return_dict=False,
+    ),
+)
+
+
+def _ids(n: int, axes: int, *, image: bool) -> torch.Tensor:
+    """Position ids (n, axes): a 4 x (n/4) grid on the last two axes for image tokens, text
+    positions on the last axis otherwise."""
+    ids = torch.zeros(n, axes)
+    if image:
+        ids[:, -2] = torch.arange(n) // 4
+        ids[:, -1] = torch.arange(n) % 4
+    else:
+        ids[:, -1] = torch.arange(n)
+    return ids
+
+
+CASES = {
+    case.key: case for case in (WAN, QWEN_IMAGE, FLUX, FLUX2, FLUX2_KLEIN, Z_IMAGE, HUNYUAN_VIDEO_15, LTX2)
+}
