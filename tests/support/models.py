@@ -194,6 +194,22 @@ class Measurement:
     unquantized: list[str]
     fused: list[str]
     packed: dict[str, list[str]]
+    # cosine of what the quantized Linears contribute: (quantized - without) vs (BF16 - without),
+    # "without" being the BF16 build with those Linears' weights zeroed. The output cosine alone is
+    # blind in tiny random models whose residual path dominates the output (a broken quantization
+    # still gives 0.9997 on HunyuanVideo-1.5's tiny build); this one is not.
+    contribution: dict[str, float] = field(default_factory=dict)
+
+
+def _without(env, case: Case, weights: dict[str, torch.Tensor], linears: list[str]) -> torch.Tensor:
+    """The BF16 forward with the weights of ``linears`` zeroed."""
+    zeroed = {
+        n: torch.zeros_like(w) if n in {f"{name}.weight" for name in linears} else w
+        for n, w in weights.items()
+    }
+    model = build(env, case)
+    load_from(env, model, zeroed)
+    return forward(env, case, model)
 
 
 def measure(env, case: Case, methods=tuple(SPECS)) -> Measurement:
@@ -214,6 +230,9 @@ def measure(env, case: Case, methods=tuple(SPECS)) -> Measurement:
         out.unquantized = unquantized_vllm_linears(model)
         out.cosine[method] = cosine(got, expect)
         out.max_abs[method] = (got - expect).abs().max().item()
+        if method == methods[0]:
+            base = _without(env, case, weights, out.quantized[method])
+        out.contribution[method] = cosine(got - base, expect - base)
     return out
 
 
@@ -230,6 +249,7 @@ def record(m: Measurement) -> dict:
         "fused": patterns(m.fused),
         "packed": m.packed,
         "cosine": {method: round(value, 5) for method, value in m.cosine.items()},
+        "contribution": {method: round(value, 5) for method, value in m.contribution.items()},
     }
 
 
