@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 
 from vllm_omni_mxfp4 import spec
+from vllm_omni_mxfp4.config.keys import layer_order
 
 from .errors import CheckpointError
 
@@ -230,6 +231,6 @@ def fused_qkv_group(layer: str) -> str | None:
     return f"blocks.{match.group(1)}.attn1"
 
 
-def natural_key(name: str) -> tuple:
-    """Sort key that orders ``blocks.2`` before ``blocks.10``."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+natural_key = layer_order
+"""Sort key that orders ``blocks.2`` before ``blocks.10``: the configs' own order of layer names, so
+that a merged ``ignored_layers`` list and the tensors are written in the order the configs keep."""

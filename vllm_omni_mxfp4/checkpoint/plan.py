@@ -201,11 +201,7 @@ def _quantization_config(quant_method: str, ignored: list[str], require_smooth: 
         config = Mxfp4Config(
             is_checkpoint_mxfp4_serialized=True, ignored_layers=ignored, require_smooth_scale=require_smooth
         )
-    block = config.to_checkpoint_dict()
-    # The config class sorts the layer names as strings; the merge lists the same names in block
-    # order (blocks.2 before blocks.10), which keeps config.json readable and its bytes unchanged.
-    block["ignored_layers"] = list(ignored)
-    return block
+    return config.to_checkpoint_dict()
 
 
 def _original_config(original_dir: Path) -> dict:
