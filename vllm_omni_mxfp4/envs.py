@@ -134,8 +134,7 @@ CPU_PLATFORM = EnvVar(
     "VLLM_OMNI_MXFP4_CPU_PLATFORM",
     "auto",
     "auto, 1/on/true/force, 0/off/false",
-    "The CPU platform for vLLM-Omni: `auto` activates it when no accelerator is present; force it "
-    "on or off.",
+    "The CPU platform for vLLM-Omni: `auto` activates it when no accelerator is present; force it on or off.",
     _platform_mode,
 )
 CPU_DEVICES = EnvVar(
