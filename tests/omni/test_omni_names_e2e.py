@@ -71,3 +71,18 @@ def test_names_that_match_nothing_stop_the_engine(tiny_dir, tmp_path, config, me
         run_engine_job(_job(tiny_dir, tmp_path, config), timeout=400, env=subprocess_env())
     assert info.value.reason.startswith("exited with"), info.value
     assert message in (tmp_path / "engine.log").read_text()
+
+
+def test_an_expert_the_pipeline_does_not_have_stops_the_engine(tmp_path):
+    """The A14B per-expert config copied to a single-expert model (TI2V-5B-like): transformer_2 names
+    nothing there, and would silently configure nothing; the engine stops naming it."""
+    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
+
+    model = build_tiny_wan(1)
+    config = {"transformer": "mxfp4", "transformer_2": "mxfp4"}
+    job = Job(str(model), str(tmp_path), omni_kwargs={"quantization_config": config}, steps=2)
+    with pytest.raises(RunFailed):
+        run_engine_job(job, timeout=400, env=subprocess_env())
+    log = (tmp_path / "engine.log").read_text()
+    assert "Unknown component 'transformer_2' in the per-component config" in log
+    assert "has transformer only" in log

@@ -12,6 +12,8 @@ wraps these functions of vLLM-Omni:
 - ``resolve_wan_transformer_quant_config`` of the T2V/I2V and VACE pipelines, which selects each
   Wan expert's config from a per-component config: a key that names no Wan expert
   (``"transfomer"``) is an error there, instead of leaving that expert in BF16.
+- ``_create_transformer`` of the T2V, I2V and VACE pipelines: a key naming an
+  expert the pipeline does not have (``transformer_2`` on a single-expert model) is an error.
 - ``factory._is_per_component_dict``: vLLM-Omni recognises a per-component dict only when one value
   is ``null`` or a dict, so ``{"transformer": "mxfp4", "transformer_2": "mxfp4_dualscale"}`` and
   ``{"default": "mxfp4"}`` (the user guide's forms) were refused as a flat config without a method.
@@ -65,8 +67,9 @@ def check_built_model(model: torch.nn.Module, quant_config: Any) -> None:
     )
 
 
-def check_wan_components(quant_config: Any) -> None:
-    """Refuse per-component keys that name no Wan2.2 expert (when one of our methods is involved)."""
+def check_wan_components(quant_config: Any, experts: tuple[str, ...] = WAN_EXPERTS, where: str = "") -> None:
+    """Refuse per-component keys that name no Wan2.2 expert of ``experts`` (when one of our methods is
+    involved); ``where`` says which pipeline, for the message."""
     from vllm_omni.quantization.component_config import ComponentQuantizationConfig
 
     from .quant_config import MxQuantizationConfig
@@ -75,7 +78,22 @@ def check_wan_components(quant_config: Any) -> None:
         return
     configs = [*quant_config.component_configs.values(), quant_config.default_config]
     if any(isinstance(c, MxQuantizationConfig) for c in configs):
-        check_component_names(quant_config.component_configs, WAN_EXPERTS, " in the per-component config")
+        check_component_names(quant_config.component_configs, experts, f" in the per-component config{where}")
+
+
+def check_pipeline_experts(pipeline: Any) -> None:
+    """Refuse per-component keys naming an expert this Wan pipeline does not have (``transformer_2``
+    on a single-expert model such as TI2V-5B): that config would silently configure nothing."""
+    od_config = pipeline.od_config
+    if getattr(od_config, "quantization_config_is_auto_detected", False):
+        return
+    experts = (
+        ("transformer", "transformer_2")
+        if getattr(pipeline, "has_transformer_2", False)
+        else ("transformer",)
+    )
+    where = f" (the model {od_config.model!r} has {' and '.join(experts)} only)" if len(experts) == 1 else ""
+    check_wan_components(getattr(od_config, "quantization_config", None), experts, where)
 
 
 def _names_our_method(value: object) -> bool:
@@ -119,7 +137,12 @@ def _wrap(owner: Any, name: str, make: Any) -> None:
 
 def install() -> None:
     """Wrap vLLM-Omni's model construction and factory (see the module docstring); idempotent."""
-    from vllm_omni.diffusion.models.wan2_2 import pipeline_wan2_2, pipeline_wan2_2_vace, wan2_2_transformer
+    from vllm_omni.diffusion.models.wan2_2 import (
+        pipeline_wan2_2,
+        pipeline_wan2_2_i2v,
+        pipeline_wan2_2_vace,
+        wan2_2_transformer,
+    )
     from vllm_omni.quantization import factory
 
     wan = wan2_2_transformer.WanTransformer3DModel
@@ -140,11 +163,25 @@ def install() -> None:
 
         return run
 
+    def create(original):
+        def run(self, config, component="transformer"):
+            check_pipeline_experts(self)
+            return original(self, config, component)
+
+        return run
+
     def per_component(original):
         return lambda spec: original(spec) or is_our_per_component_dict(spec)
 
     _wrap(wan, "_validate_w4a8_fallback_layers", validate)
     for pipeline in (pipeline_wan2_2, pipeline_wan2_2_vace):  # each imported the function by name
         _wrap(pipeline, "resolve_wan_transformer_quant_config", resolve)
+    pipelines = (
+        pipeline_wan2_2.Wan22Pipeline,
+        pipeline_wan2_2_i2v.Wan22I2VPipeline,
+        pipeline_wan2_2_vace.Wan22VACEPipeline,
+    )
+    for pipeline_class in pipelines:  # each defines its own _create_transformer
+        _wrap(pipeline_class, "_create_transformer", create)
     _wrap(factory, "_is_per_component_dict", per_component)
     logger.debug("vllm-omni-mxfp4: config names are checked where vLLM-Omni builds Wan2.2 experts")
