@@ -10,7 +10,8 @@ quantization on purpose (weights rolled by a third of their rows, a Q/K/V shard-
 HunyuanVideo-1.5 at 0.9997 and Wan2.2 at 0.9917, while their contribution cosine fell to about 0.0
 (every model: -0.01 to 0.07). Weights doubled before quantizing (a one-step scale error) moved the
 contribution cosine 0.007-0.29 down. So the bars are: output >= 0.99 (0.95 for Z-Image),
-contribution >= 0.90 (about 1.5 times the largest measured distance from 1), and both within
+contribution >= 0.90 (about 1.5 times the largest measured distance from 1; Ernie-Image 0.85, see
+MIN_CONTRIBUTION_BY_MODEL), and both within
 COSINE_DRIFT of the values the table records, which catches the scale error on every model.
 """
 
@@ -25,6 +26,9 @@ from tests.support.models import CASES, SPECS, measure, record, table_tool
 MIN_COSINE = 0.99
 MIN_COSINE_BY_MODEL = {"z_image.ZImageTransformer2DModel": 0.95}
 MIN_CONTRIBUTION = 0.90
+# Ernie-Image's tiny build: the quantized Linears add little to the output (output cosine 0.99999),
+# so the BF16 rounding of the output itself bounds the contribution cosine (measured 0.882-0.902).
+MIN_CONTRIBUTION_BY_MODEL = {"ernie_image.ErnieImageTransformer2DModel": 0.85}
 # the table's cosine is the measurement of the day, not a bound: it may drift this much
 COSINE_DRIFT = 2e-3
 
@@ -49,9 +53,10 @@ def test_online_methods_track_bf16(measured, key):
         assert m.quantized[method], f"{key}: {method} quantized no Linear"
         assert math.isfinite(m.max_abs[method]) and m.max_abs[method] > 0, (key, method, m.max_abs)
         assert m.cosine[method] >= bar, f"{key} {method}: cosine {m.cosine[method]:.5f} < {bar}"
-        assert m.contribution[method] >= MIN_CONTRIBUTION, (
+        floor = MIN_CONTRIBUTION_BY_MODEL.get(key, MIN_CONTRIBUTION)
+        assert m.contribution[method] >= floor, (
             f"{key} {method}: cosine of the quantized Linears' contribution "
-            f"{m.contribution[method]:.4f} < {MIN_CONTRIBUTION}"
+            f"{m.contribution[method]:.4f} < {floor}"
         )
 
 

@@ -446,6 +446,52 @@ LTX2 = Case(
 )
 
 
+ERNIE_IMAGE = Case(
+    "ernie_image.ErnieImageTransformer2DModel",
+    "vllm_omni.diffusion.models.ernie_image.ernie_image_transformer",
+    dict(
+        patch_size=1,
+        in_channels=128,
+        num_layers=2,
+        num_attention_heads=4,
+        ffn_hidden_size=1024,
+        hidden_size=512,
+        text_in_dim=64,
+        rope_axes_dim=(32, 48, 48),
+    ),
+    lambda: dict(
+        hidden_states=randn(1, 128, 4, 4, seed=1),
+        timestep=torch.tensor([500.0], dtype=torch.bfloat16),
+        text_bth=randn(1, 8, 64, seed=2),
+        text_lens=torch.tensor([8]),
+        return_dict=False,
+    ),
+)
+
+HELIOS = Case(
+    "helios.HeliosTransformer3DModel",
+    "vllm_omni.diffusion.models.helios.helios_transformer",
+    dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=64,
+        freq_dim=32,
+        ffn_dim=1024,
+        num_layers=2,
+        rope_dim=(44, 42, 42),
+    ),
+    lambda: dict(
+        hidden_states=randn(1, 16, 3, 8, 8, seed=1),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=randn(1, 16, 64, seed=2),
+        return_dict=False,
+    ),
+)
+
+
 def _ids(n: int, axes: int, *, image: bool) -> torch.Tensor:
     """Position ids (n, axes): a 4 x (n/4) grid on the last two axes for image tokens, text
     positions on the last axis otherwise."""
@@ -459,5 +505,17 @@ def _ids(n: int, axes: int, *, image: bool) -> torch.Tensor:
 
 
 CASES = {
-    case.key: case for case in (WAN, QWEN_IMAGE, FLUX, FLUX2, FLUX2_KLEIN, Z_IMAGE, HUNYUAN_VIDEO_15, LTX2)
+    case.key: case
+    for case in (
+        WAN,
+        QWEN_IMAGE,
+        FLUX,
+        FLUX2,
+        FLUX2_KLEIN,
+        Z_IMAGE,
+        HUNYUAN_VIDEO_15,
+        LTX2,
+        ERNIE_IMAGE,
+        HELIOS,
+    )
 }
