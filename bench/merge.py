@@ -44,6 +44,16 @@ CHUNK = 8 * 1024 * 1024
 _RANDOM = np.random.default_rng(0).integers(0, 256, CHUNK, dtype=np.uint8).tobytes()
 
 
+def finite_bf16(seed: int) -> bytes:
+    """A CHUNK of random finite bf16 values: the merge refuses NaN/Inf in unquantized tensors, and
+    tells the experts apart by their unquantized tensors, so each expert gets its own seed."""
+    values = np.random.default_rng(seed).standard_normal(CHUNK // 2).astype(np.float32)
+    return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+EXPERT_PATTERNS = (finite_bf16(1), finite_bf16(2))
+
+
 @dataclass(frozen=True)
 class Fill:
     """``nbytes`` of a repeated pattern (random bytes by default)."""
@@ -108,13 +118,14 @@ def build(root: Path, dim: int, ffn: int, blocks: int) -> tuple[Path, Path, int]
     tensors = list(diffusers_tensors(dim, ffn, blocks))
     largest = max(math.prod(shape) * 2 for _, _, shape in tensors)
     index = {"_class_name": "WanPipeline", "boundary_ratio": 0.875}
-    for folder, expert in (("transformer", "high_noise_model"), ("transformer_2", "low_noise_model")):
+    experts = (("transformer", "high_noise_model"), ("transformer_2", "low_noise_model"))
+    for (folder, expert), bf16 in zip(experts, EXPERT_PATTERNS):
         index[folder] = ["diffusers", "WanTransformer3DModel"]
         tdir = original / folder
         tdir.mkdir(parents=True)
         config = {"_class_name": "WanTransformer3DModel", "num_layers": blocks, "ffn_dim": ffn}
         (tdir / "config.json").write_text(json.dumps(config))
-        outs = [_out(n, d, s) for n, d, s in tensors]
+        outs = [_out(n, d, s, bf16) for n, d, s in tensors]
         write_checkpoint(
             tdir, "diffusion_pytorch_model", split_into_shards(outs, 10**9, natural_key), lambda n: None
         )
@@ -126,7 +137,7 @@ def build(root: Path, dim: int, ffn: int, blocks: int) -> tuple[Path, Path, int]
             wan = diffusers_to_wan(name)
             place = parse_diffusers(name)
             if place.kind != "linear" or place.block is None or place.block % 2 == 0:
-                export.append(_out(wan, dtype, shape))
+                export.append(_out(wan, dtype, shape, bf16))
                 labels[wan] = "FLOAT"
                 continue
             layer = wan.rsplit(".", 1)[0]
