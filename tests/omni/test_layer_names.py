@@ -52,11 +52,19 @@ def test_a_layer_entry_that_names_no_linear_is_refused(vllm_env, tiny_dir, metho
     build_expert(vllm_env, tiny_dir, valid)
     message = _refused(vllm_env, tiny_dir, {**valid, key: ["blocks.0.ffn.net_0.proj", typo]})
     assert f"{key} entry {typo!r} matches no Linear of the WanTransformer3DModel" in message
-    assert "(16 Linears)" in message and "blocks.0.attn1.to_qkv" in message  # the block's paths
+    # 16 vLLM Linears and 6 plain nn.Linear (embedders, proj_out); the sample lists block 0's paths.
+    assert "(22 Linears)" in message and "blocks.0.attn1.to_qkv" in message
     if meant is None:
         assert "Did you mean" not in message
     else:
         assert f"Did you mean {meant!r}?" in message
+
+
+def test_a_plain_linear_may_be_listed_as_ignored(vllm_env, tiny_dir):
+    """Wan's condition embedders and proj_out are plain nn.Linear in vLLM-Omni: BF16 whatever the
+    config says, so the merge's ignored_layers (which lists them) is valid, not a typo."""
+    spec = {"method": "mxfp4", "ignored_layers": ["condition_embedder.text_embedder.linear_1", "proj_out"]}
+    assert len(quantized_layers(build_expert(vllm_env, tiny_dir, spec))) == 16
 
 
 def test_an_offline_checkpoints_ignored_layers_are_checked_too(vllm_env, offline_dirs, tmp_path):

@@ -54,7 +54,9 @@ def check_built_model(model: torch.nn.Module, quant_config: Any) -> None:
     if not isinstance(quant_config, MxQuantizationConfig):
         return
     modules = dict(model.named_modules())
-    linears = {name for name, module in modules.items() if isinstance(module, LinearBase)}
+    # Plain nn.Linear layers (Wan's condition embedders, proj_out) are Linears of the model too: they
+    # run in BF16 whatever the config says, so listing them (as merged checkpoints do) is not a typo.
+    linears = {name for name, module in modules.items() if isinstance(module, (LinearBase, torch.nn.Linear))}
     missing = [name for name, module in modules.items() if isinstance(module, PPMissingLayer)]
     blocks = getattr(model, "blocks", None)
     num_blocks = len(blocks) if isinstance(blocks, torch.nn.ModuleList) else None
