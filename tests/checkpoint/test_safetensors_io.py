@@ -18,6 +18,7 @@ from vllm_omni_mxfp4.checkpoint.safetensors_io import (
     OutputTensor,
     UnpackFp4ToBf16,
     WidenToF32,
+    first_nonfinite,
     open_archive,
     read_header,
     split_into_shards,
@@ -199,3 +200,22 @@ def test_file_copies_move_bounded_chunks(tmp_path, monkeypatch, fast):
     assert merger._copy_file(src, tmp_path / "out" / "big.bin", steps.append) == len(data)
     assert (tmp_path / "out" / "big.bin").read_bytes() == data
     assert len(steps) == 11 and max(steps) <= 1000 and sum(steps) == len(data)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_first_nonfinite_reads_the_exponent_bits_as_isfinite_does(tmp_path, dtype, bad):
+    """The largest finite value, subnormals, -0 and 1e30-ish values pass; the first NaN/Inf is found
+    at its index in the tensor's shape, with its value."""
+    info = torch.finfo(dtype)
+    edge = [info.max, -info.max, info.tiny / 4, -0.0, 0.0, info.smallest_normal, 3.0]
+    values = torch.tensor(edge * 40, dtype=torch.float32).to(dtype).reshape(20, 14)
+    path = tmp_path / "t.safetensors"
+    broken = values.clone()
+    broken[7, 3] = bad
+    save_file({"ok": values, "bad": broken}, str(path))
+    refs, _ = read_header(path)
+    assert first_nonfinite(refs["ok"]) is None
+    at, value = first_nonfinite(refs["bad"])
+    assert at == [7, 3]
+    assert (np.isnan(value) and np.isnan(bad)) or value == bad

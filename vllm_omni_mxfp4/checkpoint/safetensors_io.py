@@ -231,9 +231,8 @@ def open_archive(files: Iterable[Path], index: Path | None = None) -> dict[str, 
     return tensors
 
 
-def iter_values(ref: TensorRef) -> Iterator[np.ndarray]:
-    """The values of a tensor, flat, in chunks of at most ``COPY_CHUNK / 8`` elements (BF16 as
-    float32): any tensor in bounded memory."""
+def _iter_raw(ref: TensorRef) -> Iterator[bytes]:
+    """The bytes of a tensor in chunks of at most ``COPY_CHUNK / 8`` elements."""
     size, elements = DTYPE_SIZES[ref.dtype], max(1, COPY_CHUNK // 8)
     with open(ref.path, "rb") as fh:
         fh.seek(ref.offset)
@@ -242,13 +241,49 @@ def iter_values(ref: TensorRef) -> Iterator[np.ndarray]:
             raw = fh.read(want)
             if len(raw) != want:
                 raise CheckpointError(f"{ref.path}: tensor {ref.name!r} is truncated")
-            yield decode_array(raw, ref.dtype, (want // size,))
+            yield raw
+
+
+def iter_values(ref: TensorRef) -> Iterator[np.ndarray]:
+    """The values of a tensor, flat, in chunks of at most ``COPY_CHUNK / 8`` elements (BF16 as
+    float32): any tensor in bounded memory."""
+    size = DTYPE_SIZES[ref.dtype]
+    for raw in _iter_raw(ref):
+        yield decode_array(raw, ref.dtype, (len(raw) // size,))
+
+
+# A float is NaN or infinite exactly when its exponent bits are all ones.
+_EXPONENT_BITS = {"BF16": ("<u2", 0x7F80), "F16": ("<u2", 0x7C00), "F32": ("<u4", 0x7F800000)}
+
+
+def first_nonfinite(ref: TensorRef) -> tuple[list[int], float] | None:
+    """The index and value of the first NaN or infinity of a float tensor, or ``None``.
+
+    Read from the exponent bits of the stored bytes (no widening to float32), so that checking every
+    unquantized tensor of a checkpoint costs little more than reading it.
+    """
+    if ref.dtype not in _EXPONENT_BITS:
+        return first_bad_value(ref, lambda values: ~np.isfinite(values))
+    bits_dtype, mask = _EXPONENT_BITS[ref.dtype]
+    size, start = DTYPE_SIZES[ref.dtype], 0
+    for raw in _iter_raw(ref):
+        bits = np.frombuffer(raw, dtype=bits_dtype)
+        marked = (bits & mask) == mask
+        if marked.any():
+            i = int(np.flatnonzero(marked)[0])
+            value = float(decode_array(raw[i * size : (i + 1) * size], ref.dtype, (1,))[0])
+            return [int(x) for x in np.unravel_index(start + i, ref.shape)], value
+        start += bits.size
+    return None
 
 
 def _first_marked(ref: TensorRef, chunks: Iterable[tuple[np.ndarray, tuple]]) -> tuple | None:
     """``(index in ref's shape, payload values there)`` of the first element a chunk's mask marks."""
     start = 0
     for marked, payload in chunks:
+        if not marked.any():
+            start += marked.size
+            continue
         found = np.flatnonzero(marked)
         if found.size:
             at = np.unravel_index(start + int(found[0]), ref.shape)
