@@ -138,3 +138,24 @@ def test_the_vace_pipeline_checks_component_keys_too(vllm_env):
     assert resolve({}, build_quant_config({"transformer": "mxfp4"}), "transformer").get_name() == "mxfp4"
     with pytest.raises(ValueError, match="Unknown component 'transformer_3' .*Did you mean 'transformer_2'"):
         resolve({}, build_quant_config({"transformer_3": "mxfp4"}), "transformer")
+
+
+def _build_vace(env, model_dir, spec):
+    from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2 import load_transformer_config
+    from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2_vace import create_vace_transformer_from_config
+    from vllm_omni.quantization import build_quant_config
+
+    config = {**load_transformer_config(str(model_dir), "transformer"), "vace_layers": [0]}
+    with env.context():
+        return create_vace_transformer_from_config(config, build_quant_config(spec))
+
+
+def test_the_vace_transformers_own_blocks_are_checked_too(vllm_env, tiny_dir):
+    """VACE builds its vace_blocks after the Wan constructor's check: entries naming them are valid,
+    and a typo in one is refused once they exist."""
+    valid = {"method": "mxfp4", "ignored_layers": ["vace_blocks.0.attn1.to_qkv", "blocks.1.ffn.net_2"]}
+    model = _build_vace(vllm_env, tiny_dir, valid)
+    assert "vace_blocks.0.attn1.to_qkv" in dict(model.named_modules())
+    typo = {**valid, "ignored_layers": ["vace_blocks.0.attn1.to_qvk"]}
+    with pytest.raises(ValueError, match="'vace_blocks.0.attn1.to_qvk' matches no Linear.*Did you mean"):
+        _build_vace(vllm_env, tiny_dir, typo)

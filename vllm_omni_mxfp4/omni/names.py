@@ -8,7 +8,8 @@ wraps these functions of vLLM-Omni:
   calls with its quantization config at the end of its constructor, when every Linear exists and
   has had its ``get_quant_method``: with one of our configs, every layer list and the leading-block
   count are checked against the built model first (:func:`check_built_model`), then vLLM-Omni's
-  own check runs. Subclasses (VACE) build more Linears after that call and are not checked.
+  own check runs. VACE's transformer builds more Linears after that call: its constructor is
+  wrapped to run the same check once they exist.
 - ``resolve_wan_transformer_quant_config`` of the T2V/I2V and VACE pipelines, which selects each
   Wan expert's config from a per-component config: a key that names no Wan expert
   (``"transfomer"``) is an error there, instead of leaving that expert in BF16.
@@ -144,6 +145,7 @@ def install() -> None:
         pipeline_wan2_2_i2v,
         pipeline_wan2_2_vace,
         wan2_2_transformer,
+        wan2_2_vace_transformer,
     )
     from vllm_omni.quantization import factory
 
@@ -155,6 +157,13 @@ def install() -> None:
             if type(self) is wan:
                 check_built_model(self, quant_config)
             return original(self, quant_config)
+
+        return run
+
+    def vace_init(original):
+        def run(self, *args, quant_config=None, **kwargs):
+            original(self, *args, quant_config=quant_config, **kwargs)
+            check_built_model(self, quant_config)  # now with the VACE blocks it builds after Wan's
 
         return run
 
@@ -176,6 +185,7 @@ def install() -> None:
         return lambda spec: original(spec) or is_our_per_component_dict(spec)
 
     _wrap(wan, "_validate_w4a8_fallback_layers", validate)
+    _wrap(wan2_2_vace_transformer.WanVACETransformer3DModel, "__init__", vace_init)
     for pipeline in (pipeline_wan2_2, pipeline_wan2_2_vace):  # each imported the function by name
         _wrap(pipeline, "resolve_wan_transformer_quant_config", resolve)
     pipelines = (
