@@ -138,6 +138,44 @@ def _wrap(owner: Any, name: str, make: Any) -> None:
     setattr(owner, name, wrapper)
 
 
+def _checking_validate(original: Any, wan: type) -> Any:
+    def run(self, quant_config):
+        # A subclass (VACE) adds Linears after this call: only the plain transformer is complete.
+        if type(self) is wan:
+            check_built_model(self, quant_config)
+        return original(self, quant_config)
+
+    return run
+
+
+def _checking_vace_init(original: Any) -> Any:
+    def run(self, *args, quant_config=None, **kwargs):
+        original(self, *args, quant_config=quant_config, **kwargs)
+        check_built_model(self, quant_config)  # now with the VACE blocks it builds after Wan's
+
+    return run
+
+
+def _checking_resolve(original: Any) -> Any:
+    def run(config, quant_config, component):
+        check_wan_components(quant_config)
+        return original(config, quant_config, component)
+
+    return run
+
+
+def _checking_create(original: Any) -> Any:
+    def run(self, config, component="transformer"):
+        check_pipeline_experts(self)
+        return original(self, config, component)
+
+    return run
+
+
+def _accepting_our_dicts(original: Any) -> Any:
+    return lambda spec: original(spec) or is_our_per_component_dict(spec)
+
+
 def install() -> None:
     """Wrap vLLM-Omni's model construction and factory (see the module docstring); idempotent."""
     from vllm_omni.diffusion.models.wan2_2 import (
@@ -150,50 +188,16 @@ def install() -> None:
     from vllm_omni.quantization import factory
 
     wan = wan2_2_transformer.WanTransformer3DModel
-
-    def validate(original):
-        def run(self, quant_config):
-            # A subclass (VACE) adds Linears after this call: only the plain transformer is complete.
-            if type(self) is wan:
-                check_built_model(self, quant_config)
-            return original(self, quant_config)
-
-        return run
-
-    def vace_init(original):
-        def run(self, *args, quant_config=None, **kwargs):
-            original(self, *args, quant_config=quant_config, **kwargs)
-            check_built_model(self, quant_config)  # now with the VACE blocks it builds after Wan's
-
-        return run
-
-    def resolve(original):
-        def run(config, quant_config, component):
-            check_wan_components(quant_config)
-            return original(config, quant_config, component)
-
-        return run
-
-    def create(original):
-        def run(self, config, component="transformer"):
-            check_pipeline_experts(self)
-            return original(self, config, component)
-
-        return run
-
-    def per_component(original):
-        return lambda spec: original(spec) or is_our_per_component_dict(spec)
-
-    _wrap(wan, "_validate_w4a8_fallback_layers", validate)
-    _wrap(wan2_2_vace_transformer.WanVACETransformer3DModel, "__init__", vace_init)
+    _wrap(wan, "_validate_w4a8_fallback_layers", lambda original: _checking_validate(original, wan))
+    _wrap(wan2_2_vace_transformer.WanVACETransformer3DModel, "__init__", _checking_vace_init)
     for pipeline in (pipeline_wan2_2, pipeline_wan2_2_vace):  # each imported the function by name
-        _wrap(pipeline, "resolve_wan_transformer_quant_config", resolve)
+        _wrap(pipeline, "resolve_wan_transformer_quant_config", _checking_resolve)
     pipelines = (
         pipeline_wan2_2.Wan22Pipeline,
         pipeline_wan2_2_i2v.Wan22I2VPipeline,
         pipeline_wan2_2_vace.Wan22VACEPipeline,
     )
     for pipeline_class in pipelines:  # each defines its own _create_transformer
-        _wrap(pipeline_class, "_create_transformer", create)
-    _wrap(factory, "_is_per_component_dict", per_component)
+        _wrap(pipeline_class, "_create_transformer", _checking_create)
+    _wrap(factory, "_is_per_component_dict", _accepting_our_dicts)
     logger.debug("vllm-omni-mxfp4: config names are checked where vLLM-Omni builds Wan2.2 experts")
