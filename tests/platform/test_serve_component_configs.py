@@ -18,7 +18,16 @@ import time
 from pathlib import Path
 
 import pytest
-from omni_procs import RunFailed, log_tail, omni_installed, reap_group, run_bounded, subprocess_env
+from omni_procs import (
+    RunFailed,
+    log_tail,
+    omni_installed,
+    reap_group,
+    run_bounded,
+    serve_command,
+    subprocess_env,
+    wait_until_healthy,
+)
 
 from tests.support.ports import free_port
 
@@ -38,35 +47,8 @@ HTTP_TIMEOUT_S = 10.0
 
 
 def _serve_args(model: Path, port: int, config: dict) -> list[str]:
-    return [
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        str(model),
-        "--omni",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--diffusion-quantization-config",
-        json.dumps(config),
-    ]
-
-
-def _wait_until_healthy(base: str, server: subprocess.Popen, log: Path) -> None:
-    import requests
-
-    deadline = time.monotonic() + STARTUP_DEADLINE_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"server exited with {server.returncode} during start-up:\n{log_tail(log)}")
-        try:
-            if requests.get(f"{base}/health", timeout=HTTP_TIMEOUT_S).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(1.0)
-    raise AssertionError(f"server not healthy within {STARTUP_DEADLINE_S:.0f}s:\n{log_tail(log)}")
+    """``vllm serve --omni`` arguments (without the interpreter) with a per-component config."""
+    return [*serve_command(model, port)[1:], "--diffusion-quantization-config", json.dumps(config)]
 
 
 def _one_video(base: str, log: Path) -> dict:
@@ -101,7 +83,7 @@ def test_per_component_method_names_serve(tiny_wan_2e: Path, tmp_path: Path, con
             start_new_session=True,
         )
     try:
-        _wait_until_healthy(f"http://127.0.0.1:{port}", server, log)
+        wait_until_healthy(f"http://127.0.0.1:{port}", server, log, STARTUP_DEADLINE_S)
         assert _one_video(f"http://127.0.0.1:{port}", log)["error"] is None
     finally:
         leftover = reap_group(server, settle=30.0)
