@@ -9,36 +9,13 @@ runs in the same pytest process (msModelSlim's quantizers) changes behaviour whe
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 
 import pytest
 import torch
 
 from tests.support.ports import free_port
-
-
-class VllmEnv:
-    """vLLM-Omni diffusion configs plus an initialized TP=1 process group."""
-
-    def __init__(self) -> None:
-        from vllm_omni.diffusion.data import OmniDiffusionConfig
-        from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
-
-        self.od_config = OmniDiffusionConfig(model=None, dtype=torch.float32, num_gpus=1)
-        self.vllm_config = create_diffusion_vllm_config(torch.device("cpu"), self.od_config)
-
-    @contextlib.contextmanager
-    def context(self):
-        """vLLM's current config and vLLM-Omni's forward context, as the engine sets them."""
-        from vllm.config.vllm import set_current_vllm_config
-        from vllm_omni.diffusion.forward_context import set_forward_context
-
-        with (
-            set_forward_context(vllm_config=self.vllm_config, omni_diffusion_config=self.od_config),
-            set_current_vllm_config(self.vllm_config),
-        ):
-            yield
+from tests.support.tp_ranks import RankEnv
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +32,7 @@ def vllm_env():
     from vllm_omni_mxfp4.omni.plugin import register
 
     register()
-    env = VllmEnv()
+    env = RankEnv(world=1)
     with env.context():
         init_distributed_environment(
             world_size=1,

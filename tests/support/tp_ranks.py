@@ -3,8 +3,8 @@
 ``run_ranks(world, fn, *args)`` starts ``world`` processes; each sets up vLLM-Omni's diffusion
 configs and its (and vLLM's) TP group of size ``world`` over gloo, as the diffusion worker does,
 calls ``fn(rank, world, env, *args)`` (``fn`` importable at module level, ``env`` a
-:class:`tests.conftest.VllmEnv`-like object with ``context()``) and sends its result back (numpy
-arrays and plain Python only). The parent waits for every rank's report, never for a fixed time
+:class:`RankEnv`, which the ``vllm_env`` fixture also uses at ``world=1``) and sends its result
+back (numpy arrays and plain Python only). The parent waits for every rank's report, never for a fixed time
 beyond the generous limit, and fails with the rank's traceback if one raised.
 """
 
@@ -23,7 +23,8 @@ REPORT_TIMEOUT_S = 600
 
 
 class RankEnv:
-    """vLLM-Omni's diffusion configs for a TP group of ``world`` ranks (float32 models)."""
+    """vLLM-Omni's diffusion configs for a TP group of ``world`` ranks (float32 models), and its
+    ``context()``: vLLM's current config and vLLM-Omni's forward context, as the engine sets them."""
 
     def __init__(self, world: int) -> None:
         from vllm_omni.diffusion.data import OmniDiffusionConfig
