@@ -7,55 +7,19 @@ for W4A8 and DualScale, each rank's bf16 partial output).
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-
 import pytest
 import torch
 
-from tests.support.ports import free_port
+from tests.support.tp_ranks import run_ranks
 
 pytestmark = [pytest.mark.omni, pytest.mark.slow]
 
 
-def _rank_main(rank: int, world: int, port: int, spec, model_dir: str, results) -> None:
-    try:
-        torch.set_num_threads(1)
-        from vllm.config.vllm import set_current_vllm_config
-        from vllm_omni.diffusion.data import OmniDiffusionConfig
-        from vllm_omni.diffusion.distributed.parallel_state import (
-            destroy_distributed_environment,
-            destroy_model_parallel,
-            init_distributed_environment,
-            initialize_model_parallel,
-        )
-        from vllm_omni.diffusion.forward_context import set_forward_context
-        from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
-        from vllm_omni.plugins import load_omni_general_plugins
-
-        load_omni_general_plugins()
-        od = OmniDiffusionConfig(model=None, dtype=torch.float32, num_gpus=world)
-        od.parallel_config.tensor_parallel_size = world
-        vcfg = create_diffusion_vllm_config(torch.device("cpu"), od)
-        with set_forward_context(vllm_config=vcfg, omni_diffusion_config=od), set_current_vllm_config(vcfg):
-            init_distributed_environment(
-                world_size=world,
-                rank=rank,
-                local_rank=rank,
-                distributed_init_method=f"tcp://127.0.0.1:{port}",
-                backend="gloo",
-            )
-            initialize_model_parallel(
-                tensor_parallel_size=world, data_parallel_size=1, sequence_parallel_size=1, backend="gloo"
-            )
-            out, shapes = _load_and_run(od, spec, model_dir)
-        destroy_model_parallel()
-        destroy_distributed_environment()
-        results.put((rank, "ok", out.numpy().copy(), shapes))  # by value: the child exits first
-    except BaseException:  # report to the parent instead of hanging it
-        import traceback
-
-        results.put((rank, "error", traceback.format_exc(), None))
+def _rank_run(rank: int, world: int, env, spec, model_dir: str):
+    """On one TP rank: the expert's output (numpy, sent by value) and block 0's parameter shapes."""
+    with env.context():
+        out, shapes = _load_and_run(env.od_config, spec, model_dir)
+    return out.numpy().copy(), shapes
 
 
 def _load_and_run(od, spec, model_dir: str):
@@ -92,29 +56,8 @@ def _load_and_run(od, spec, model_dir: str):
 
 
 def _run(world: int, spec, model_dir) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, spec, str(model_dir), results))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in range(world):
-            rank, status, payload, shapes = results.get(timeout=400)
-            assert status == "ok", payload
-            got[rank] = (torch.from_numpy(payload), shapes)
-    except queue.Empty:
-        pytest.fail(f"TP={world} ranks did not report within the time limit")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return got
+    got = run_ranks(world, _rank_run, spec, str(model_dir))
+    return {rank: (torch.from_numpy(out), shapes) for rank, (out, shapes) in got.items()}
 
 
 @pytest.fixture(scope="module")
