@@ -197,7 +197,7 @@ def test_file_copies_move_bounded_chunks(tmp_path, monkeypatch, fast):
     data = np.random.default_rng(0).integers(0, 256, 10_500, dtype=np.uint8).tobytes()
     src.write_bytes(data)
     steps: list[int] = []
-    assert merger._copy_file(src, tmp_path / "out" / "big.bin", steps.append) == len(data)
+    assert merger.copy_file(src, tmp_path / "out" / "big.bin", steps.append) == len(data)
     assert (tmp_path / "out" / "big.bin").read_bytes() == data
     assert len(steps) == 11 and max(steps) <= 1000 and sum(steps) == len(data)
 

@@ -143,7 +143,9 @@ def _inside(path: Path, other: Path) -> bool:
     return path == other or other in path.parents
 
 
-def _check_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
+def check_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
+    """Refuse an output that overlaps an input, exists without ``overwrite`` (or is not a directory),
+    or whose parent is missing: checked before any work, so a bad target costs nothing."""
     resolved = output.resolve()
     for path in inputs:
         source = path.resolve()
@@ -158,7 +160,7 @@ def _check_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
         raise CheckpointError(f"the parent directory of the output path, {output.parent}, does not exist")
 
 
-def _component_files(original: Path, transformers: set[str]) -> list[Path]:
+def component_files(original: Path, transformers: set[str]) -> list[Path]:
     """Every file of the pipeline except the merged transformers (relative paths); each must be a
     regular file (a FIFO or a device is refused before anything is opened)."""
     files = []
@@ -173,7 +175,7 @@ def _component_files(original: Path, transformers: set[str]) -> list[Path]:
     return files
 
 
-def _copy_file(src: Path, dst: Path, progress: Callable[[int], None]) -> int:
+def copy_file(src: Path, dst: Path, progress: Callable[[int], None]) -> int:
     """Copy one file in bounded chunks (a signal is handled between chunks, even for a huge file)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
@@ -193,7 +195,7 @@ def _write_transformer(plan: TransformerPlan, out_dir: Path, progress: Callable[
         if extra.is_dir():
             shutil.copytree(extra, out_dir / extra.name)
         else:
-            _copy_file(extra, out_dir / extra.name, progress)
+            copy_file(extra, out_dir / extra.name, progress)
     plan.report.files = [*files, "config.json", DESCRIPTION_NAME, *(p.name for p in plan.extra_files)]
     plan.report.bytes_out = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file())
     plan.report.seconds = round(time.perf_counter() - start, 3)
@@ -244,7 +246,7 @@ def _write_output(
     try:
         with bar:
             for rel in components:
-                _copy_file(original / rel, stage / rel, bar.update)
+                copy_file(original / rel, stage / rel, bar.update)
             for plan in plans:
                 bar.set_description(f"merge {plan.report.name}")
                 _write_transformer(plan, stage / plan.report.name, bar.update)
@@ -254,7 +256,7 @@ def _write_output(
         raise
 
 
-def _handle_stale_staging(output: Path, dry_run: bool) -> list[str]:
+def handle_stale_staging(output: Path, dry_run: bool) -> list[str]:
     """Staging directories left by killed merges (any target, see :mod:`.staging`): removed, or in a
     dry run only reported. Runs first, so that even a merge that fails validation cleans them."""
     if not dry_run:
@@ -325,10 +327,10 @@ def merge(
     start = time.perf_counter()
     _check_options(weight_layout, non_block_quantized, max_shard_size)
     original, quant, output = (Path(p).absolute() for p in (original_model, quant_path, output_path))
-    stale = _handle_stale_staging(output, dry_run)
+    stale = handle_stale_staging(output, dry_run)
     _check_input_dirs(original, quant)
     resolved_type = resolve_model_type(model_type, original)
-    _check_output(output, [original, quant], overwrite)
+    check_output(output, [original, quant], overwrite)
     sources = MODEL_TYPES[resolved_type]
     plans = _plan_transformers(
         sources,
@@ -338,7 +340,7 @@ def merge(
         max_shard_size=max_shard_size,
         non_block_quantized=non_block_quantized,
     )
-    components = _component_files(original, {source.folder for source in sources})
+    components = component_files(original, {source.folder for source in sources})
     report = MergeReport(
         model_type=resolved_type,
         original_model=str(original),
