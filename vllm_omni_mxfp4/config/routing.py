@@ -16,11 +16,13 @@ from .keys import is_int, show_value
 
 
 class Precision(str, Enum):
-    """How a Linear layer runs: unquantized, MXFP4 weights with MXFP8 or MXFP4 activations."""
+    """How a Linear layer runs: unquantized, MXFP4 weights with MXFP8 or MXFP4 activations, or
+    MXFP8 weights and activations (a layer the checkpoint stores as MXFP8: ``mxfp8_layers``)."""
 
     BF16 = "bf16"
     W4A8 = "w4a8"
     W4A4 = "w4a4"
+    W8A8 = "w8a8"
 
 
 @dataclass(frozen=True)
