@@ -24,18 +24,10 @@ in one step, so concurrent or interrupted builds never leave a half-written mode
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_mxfp4 import envs
-
-logger = logging.getLogger(__name__)
+from .cache import cache_root, cached_build, content_key
 
 SEED = 0
 """Seed of every random weight; expert ``i`` (0-based) uses ``SEED + 1 + i``."""
@@ -169,36 +161,21 @@ def omni_transformer_kwargs() -> dict[str, Any]:
     return kwargs
 
 
-def _library_versions() -> dict[str, str]:
-    import diffusers
-    import tokenizers
-    import torch
-    import transformers
-
-    return {
-        "torch": torch.__version__,
-        "diffusers": diffusers.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-    }
-
-
 def _content_key(experts: int) -> str:
-    spec = {
-        "builder": _BUILDER_VERSION,
-        "experts": experts,
-        "seed": SEED,
-        "boundary_ratio": BOUNDARY_RATIO if experts == 2 else None,
-        "transformer": TRANSFORMER_CONFIG,
-        "text_encoder": TEXT_ENCODER_CONFIG,
-        "vae": VAE_CONFIG,
-        "scheduler": SCHEDULER_CONFIG,
-        "vocabulary": VOCABULARY,
-        "tokenizer_max_length": TOKENIZER_MAX_LENGTH,
-        "versions": _library_versions(),
-    }
-    blob = json.dumps(spec, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    return content_key(
+        {
+            "builder": _BUILDER_VERSION,
+            "experts": experts,
+            "seed": SEED,
+            "boundary_ratio": BOUNDARY_RATIO if experts == 2 else None,
+            "transformer": TRANSFORMER_CONFIG,
+            "text_encoder": TEXT_ENCODER_CONFIG,
+            "vae": VAE_CONFIG,
+            "scheduler": SCHEDULER_CONFIG,
+            "vocabulary": VOCABULARY,
+            "tokenizer_max_length": TOKENIZER_MAX_LENGTH,
+        }
+    )
 
 
 def _build_into(out_dir: Path, experts: int) -> None:
@@ -259,23 +236,6 @@ def build_tiny_wan(experts: int = 2, *, cache_dir: str | Path | None = None) -> 
     """
     if experts not in (1, 2):
         raise ValueError(f"build_tiny_wan: experts must be 1 or 2, got {experts!r}")
-    root = (Path(cache_dir).expanduser() if cache_dir is not None else envs.cache_dir()) / "tiny_wan"
-    final = root / f"wan22_t2v_{experts}e_{_content_key(experts)}"
-    if (final / "model_index.json").is_file():
-        return final
-
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".staging-{final.name}-", dir=root))
-    try:
-        logger.info("Building tiny Wan2.2 pipeline (%d expert(s)) into %s", experts, final)
-        _build_into(staging, experts)
-        try:
-            os.rename(staging, final)
-        except OSError:
-            # Another process finished the same build first; its copy is identical.
-            if not (final / "model_index.json").is_file():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return final
+    final = cache_root("tiny_wan", cache_dir) / f"wan22_t2v_{experts}e_{_content_key(experts)}"
+    # _build_into is looked up when the build runs (tests replace it).
+    return cached_build(final, lambda staging: _build_into(staging, experts))
