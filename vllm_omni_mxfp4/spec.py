@@ -11,7 +11,8 @@ cannot differ between the code that writes a checkpoint and the code that loads 
   how many K elements one index covers there, the value rule).
 - :data:`VALUE_RULES`: what a valid value is, as a predicate over an array module (``numpy`` or
   ``torch``), so the loader and the merge flag the same bad values.
-- :func:`checkpoint_tensors`: the tensors of each format (``mxfp4``, ``mxfp4_dualscale``).
+- :func:`checkpoint_tensors`: the tensors of each format (``mxfp4``, ``mxfp4_dualscale``, and
+  ``mxfp8``: the W8A8 MXFP8 layers a checkpoint lists in ``mxfp8_layers``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 """The largest FP8 E4M3 (``float8_e4m3fn``) magnitude."""
 
+E4M3_NAN_MAGNITUDE = 0x7F
+"""The magnitude bits (``code & 0x7F``) of FP8 E4M3's only NaN (0x7F and 0xFF; it has no Inf).
+Every other magnitude, 0x00..0x7E, is a finite number (0x7E is 448)."""
+
 UOS_DST_TYPE_MAX = 7.25
 """``dst_type_max`` of the NPU's UOS scale rule (``scale_alg=2``) for FP4 E2M1."""
 
@@ -60,8 +65,10 @@ NVFP4_SCALE_TILE = (128, 4)
 """(rows, scale columns) of one tile of the cuBLAS 2-D blocked ("swizzled") NVFP4 scale layout."""
 
 
-FORMATS = ("mxfp4", "mxfp4_dualscale")
-"""The quantized Linear formats (one vLLM-Omni quantization method each)."""
+FORMATS = ("mxfp4", "mxfp4_dualscale", "mxfp8")
+"""The quantized Linear formats: one per vLLM-Omni quantization method (``mxfp4``,
+``mxfp4_dualscale``), and ``mxfp8``, the W8A8 layers of a checkpoint of either method that its
+``mxfp8_layers`` lists (msModelSlim's recipes store some blocks that way)."""
 
 BACKENDS = ("emulated", "npu", "rocm")
 """The hardware a kernel is written for. The kernel registry maps (format, backend) to an
@@ -111,6 +118,15 @@ VALUE_RULES: dict[str, ValueRule] = {
             lambda v, xp: v > E8M0_MAX_WEIGHT_CODE,
         ),
         ValueRule(
+            "e4m3",
+            f"FP8 E4M3 codes other than NaN (0x{E4M3_NAN_MAGNITUDE:02X} / 0x{E4M3_NAN_MAGNITUDE | 0x80:02X})",
+            "a NaN in the original weights when they were quantized, or a corrupt file",
+            # Over the uint8 codes (numpy reads F8_E4M3 as bytes; torch views float8 as uint8). On the
+            # magnitude bits (code & 0x7F) the valid values are the interval [0, 0x7E]: the loader
+            # checks those in one pass.
+            lambda v, xp: (v & 0x7F) == E4M3_NAN_MAGNITUDE,
+        ),
+        ValueRule(
             "finite_nonnegative",
             "finite values >= 0",
             "a corrupt file or a calibration that diverged",
@@ -149,8 +165,8 @@ class CheckpointTensor:
     ``shape(n, k)`` is the stored shape for a Linear of ``n`` outputs and ``k`` inputs (the whole
     checkpoint tensor, or one partition's share with its block-aligned ``k``). ``k_axis`` is the
     axis that a row-parallel shard slices (``None``: the tensor has no K axis) and ``k_per_index``
-    how many K elements one index of that axis covers (2 for packed FP4 bytes, 32 for E8M0 scales,
-    512 for coarse scales, 1 for the Smooth vector).
+    how many K elements one index of that axis covers (2 for packed FP4 bytes, 1 for FP8 elements,
+    32 for E8M0 scales, 512 for coarse scales, 1 for the Smooth vector).
     """
 
     name: str
@@ -187,6 +203,9 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 WEIGHT_FP4 = CheckpointTensor(
     "weight", ("U8",), "(N, K/2)", lambda n, k: (n, k // 2), 1, 2, "any", required=True
+)
+WEIGHT_FP8 = CheckpointTensor(
+    "weight", ("F8_E4M3",), "(N, K)", lambda n, k: (n, k), 1, 1, "e4m3", required=True
 )
 WEIGHT_SCALE = CheckpointTensor(
     "weight_scale",
@@ -226,9 +245,10 @@ BIAS = CheckpointTensor("bias", FLOAT_DTYPES, "(N,)", lambda n, k: (n,), None, 1
 FORMAT_TENSORS: dict[str, tuple[CheckpointTensor, ...]] = {
     "mxfp4": (WEIGHT_FP4, WEIGHT_SCALE, MUL_SCALE, BIAS),
     "mxfp4_dualscale": (WEIGHT_FP4, WEIGHT_SCALE, WEIGHT_DUAL_SCALE, MUL_SCALE_REQUIRED, BIAS),
+    "mxfp8": (WEIGHT_FP8, WEIGHT_SCALE, BIAS),
 }
 """The checkpoint tensors of each format's quantized Linear (``mul_scale`` is optional for
-``mxfp4`` unless the config sets ``require_smooth_scale``)."""
+``mxfp4`` unless the config sets ``require_smooth_scale``; an ``mxfp8`` layer has no Smooth)."""
 
 
 def checkpoint_tensors(fmt: str) -> tuple[CheckpointTensor, ...]:
