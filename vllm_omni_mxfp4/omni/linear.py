@@ -35,6 +35,7 @@ from ..kernels import KernelSelector, MxKernel, MxLayerSpec
 from ..spec import BIAS, FORMATS, VALUE_RULES, CheckpointTensor, checkpoint_tensors
 from . import trace
 from .loading import check_values, checked_tensor, counted_load, row_shard, shard_geometry, shared_blocks
+from .shapes import check_quantizable
 from .state import PREPARED_ATTR, MxLayerState, Phase
 
 logger = logging.getLogger(__name__)
@@ -132,8 +133,7 @@ class MxLinearMethod(LinearMethodBase):
         """Choose the kernel, then register a lazy BF16 weight (online) or the checkpoint tensors."""
         vllm_loader = extra_weight_attrs.pop("weight_loader")
         n, k = sum(output_partition_sizes), input_size_per_partition
-        if k % 2:
-            raise ValueError(f"{self.prefix}: MXFP4 needs an even input size per partition, got K={k}")
+        check_quantizable(self.prefix, self.method_name, k, input_size, getattr(layer, "tp_size", 1))
         layer._mx = self._new_state(layer, n, k, input_size)
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition = k
