@@ -447,6 +447,7 @@ def test_to_dict_golden():
         "require_smooth_scale": False,
         "mxfp4_scale_alg": 2,
         "backend": "auto",
+        "nvfp4_requant_rule": "auto",
     }
     assert Mxfp4DualScaleConfig(is_checkpoint_serialized=True).to_dict() == {
         "quant_method": "mxfp4_dualscale",

@@ -162,6 +162,18 @@ def check_backend(key: str, value: object) -> str:
     return value
 
 
+NVFP4_REQUANT_RULES = ("auto", "floor", "even", "rceil", "mse")
+"""Values of ``nvfp4_requant_rule``: ``auto`` (the most accurate rule the backend runs: ``mse``, since
+weights are data to every kernel) or a rule of ``vllm_omni_mxfp4.formats.requant.REQUANT_RULES``."""
+
+
+def check_requant_rule(key: str, value: object) -> str:
+    if not isinstance(value, str) or value not in NVFP4_REQUANT_RULES:
+        valid = ", ".join(repr(r) for r in NVFP4_REQUANT_RULES)
+        raise ValueError(f"{key} must be one of {valid}, got {show_value(value)}.")
+    return value
+
+
 def check_steps(key: str, value: object) -> tuple[int, ...]:
     """A list of denoise-loop indices; ``None`` means none. Deduplicated and sorted."""
     if value is None:

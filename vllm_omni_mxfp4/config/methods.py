@@ -30,6 +30,7 @@ from .keys import (
     check_bool,
     check_count,
     check_layers,
+    check_requant_rule,
     check_scale_alg,
     check_steps,
     empty_only_keys,
@@ -192,6 +193,7 @@ class Mxfp4Config(MethodConfig):
     require_smooth_scale: bool = key(False, check_bool, role=REQUIREMENT)
     mxfp4_scale_alg: int = key(0, check_scale_alg, role=RUNTIME_POLICY)
     backend: str = key("auto", check_backend, role=RUNTIME_SETTING)
+    nvfp4_requant_rule: str = key("auto", check_requant_rule, role=RUNTIME_SETTING)
 
     METHOD: ClassVar[str] = "mxfp4"
 
