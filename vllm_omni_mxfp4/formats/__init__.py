@@ -7,6 +7,7 @@ constants (``MX_BLOCK_SIZE``, ``DUAL_BLOCK_SIZE``, ``NAN_CODE``, ``UOS_DST_TYPE_
 - :mod:`.e2m1`: E2M1 encoding, decoding and nibble packing;
 - :mod:`.scale_rules`: E8M0 codes from block maxima, one function per vendor rule;
 - :mod:`.mx`: MX block quantization (FP4 / FP8), dequantization and quantize-dequantize;
+- :mod:`.mxfp8`: MXFP8 (E4M3 codes, the OCP block rule) of the W8A8 layers in ``mxfp8_layers``;
 - :mod:`.dualscale`: the dual-level format (coarse float32 scale per 512 over MXFP4);
 - :mod:`.layout`: the NPU scale layout;
 - :mod:`.rows`: row chunking and block padding shared by the quantizers;
@@ -20,6 +21,14 @@ from .dualscale import DUAL_BLOCK_SIZE, dequantize_dualscale, level0_scales, qua
 from .e2m1 import E2M1_MAX, E2M1_VALUES, e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
 from .layout import from_npu_scale_layout, to_npu_scale_layout
 from .mx import MX_BLOCK_SIZE, block_amax, dequantize_mx, fake_quantize_mx, quantize_mx
+from .mxfp8 import (
+    MXFP8_SCALE_RULE,
+    dequantize_mxfp8,
+    e4m3_decode,
+    e4m3_encode,
+    fake_quantize_mxfp8,
+    quantize_mxfp8,
+)
 from .nvfp4 import Nvfp4Weight, dequantize_nvfp4
 from .requant import REQUANT_RULES, requantize_nvfp4
 from .scale_rules import (
@@ -35,6 +44,7 @@ __all__ = [
     "E2M1_MAX",
     "E2M1_VALUES",
     "MX_BLOCK_SIZE",
+    "MXFP8_SCALE_RULE",
     "NAN_CODE",
     "REQUANT_RULES",
     "Nvfp4Weight",
@@ -43,16 +53,21 @@ __all__ = [
     "block_amax",
     "dequantize_dualscale",
     "dequantize_mx",
+    "dequantize_mxfp8",
     "dequantize_nvfp4",
     "e2m1_decode",
     "e2m1_encode",
+    "e4m3_decode",
+    "e4m3_encode",
     "e8m0_to_float",
     "fake_quantize_mx",
+    "fake_quantize_mxfp8",
     "from_npu_scale_layout",
     "level0_scales",
     "pack_fp4",
     "quantize_dualscale",
     "quantize_mx",
+    "quantize_mxfp8",
     "requantize_nvfp4",
     "shared_exponent_codes",
     "to_npu_scale_layout",
