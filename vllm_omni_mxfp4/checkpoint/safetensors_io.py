@@ -85,6 +85,7 @@ class TensorRef(TensorInfo):
 _NUMPY_DTYPES = {
     "BOOL": np.bool_,
     "U8": np.uint8,
+    "F8_E4M3": np.uint8,  # its codes: numpy has no FP8 (spec's "e4m3" value rule reads codes)
     "I8": np.int8,
     "I16": np.int16,
     "U16": np.uint16,
@@ -99,7 +100,8 @@ _NUMPY_DTYPES = {
 
 
 def decode_array(raw: bytes, dtype: str, shape: Sequence[int]) -> np.ndarray:
-    """Little-endian safetensors bytes as a numpy array; BF16 becomes float32 (exact widening)."""
+    """Little-endian safetensors bytes as a numpy array; BF16 becomes float32 (exact widening), FP8
+    E4M3 its uint8 codes."""
     if dtype == "BF16":
         bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
         return bits.view(np.float32).reshape(shape)
