@@ -17,8 +17,8 @@ LINEARS = {f"blocks.{b}.{p}" for b in range(2) for p in (*PER_BLOCK, "ffn.net_0.
 
 
 def test_every_layer_list_of_both_methods_is_checked():
-    assert set(layer_lists(Mxfp4Config())) == {"ignored_layers", "w4a8_fallback_layers"}
-    assert set(layer_lists(Mxfp4DualScaleConfig())) == {"ignored_layers"}
+    assert set(layer_lists(Mxfp4Config())) == {"ignored_layers", "mxfp8_layers", "w4a8_fallback_layers"}
+    assert set(layer_lists(Mxfp4DualScaleConfig())) == {"ignored_layers", "mxfp8_layers"}
 
 
 @pytest.mark.parametrize("key", ["ignored_layers", "w4a8_fallback_layers"])

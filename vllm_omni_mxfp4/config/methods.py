@@ -35,6 +35,7 @@ from .keys import (
     check_steps,
     empty_only_keys,
     key,
+    layer_order,
     merge_alias,
     method_of_mapping,
     show_value,
@@ -61,13 +62,47 @@ class MethodConfig:
 
     METHOD: ClassVar[str]
     EMPTY_ONLY_KEYS: ClassVar[Mapping[str, EmptyOnlyKey]] = MappingProxyType({})
+    #: Keys written by :meth:`to_dict` only when non-empty, so that a config that does not use them
+    #: serializes (and writes its checkpoint block) exactly as before they existed.
+    OMITTED_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ("mxfp8_layers",)
 
     ignored_layers: tuple[str, ...]
+    mxfp8_layers: tuple[str, ...]
 
     def __post_init__(self) -> None:
         for f in fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
         self._check_combination()
+        self._check_mxfp8_layers()
+
+    def _check_mxfp8_layers(self) -> None:
+        """``mxfp8_layers`` describes a pre-quantized checkpoint's storage: offline only, and each of
+        its layers neither BF16 (``ignored_layers``) nor W4A8 (``w4a8_fallback_layers``)."""
+        listed = self.mxfp8_layers
+        if listed and not self.is_serialized:
+            raise ValueError(
+                f"mxfp8_layers {list(listed)} names layers that a pre-quantized checkpoint stores as MXFP8 "
+                f"W8A8, but this {self.METHOD} config is online (it quantizes BF16 weights at load), and "
+                f"online quantization to MXFP8 is not supported. For a pre-quantized checkpoint set "
+                f"{self.serialized_key()}: true (vllm-omni-mxfp4 merge writes both keys); otherwise remove "
+                "mxfp8_layers (list those layers in ignored_layers to keep them in BF16)."
+            )
+        conflicts = (
+            (
+                "ignored_layers",
+                "which stores them in BF16: a layer has one storage format. Fix the "
+                "checkpoint's quantization_config (vllm-omni-mxfp4 merge writes both lists)",
+            ),
+            (
+                "w4a8_fallback_layers",
+                "but W4A8 fallback does not apply to MXFP8 layers (their weights are "
+                "8-bit; they run W8A8). Remove them from w4a8_fallback_layers",
+            ),
+        )
+        for other, why in conflicts:
+            both = sorted(set(listed) & set(getattr(self, other, ())), key=layer_order)
+            if both:
+                raise ValueError(f"{both} are listed in mxfp8_layers and in {other}, {why}.")
 
     def _check_combination(self) -> None:
         """Rules that involve several keys; none by default."""
@@ -132,6 +167,8 @@ class MethodConfig:
         out: dict[str, Any] = {"quant_method": self.METHOD}
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name in self.OMITTED_WHEN_EMPTY and not value:
+                continue
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -175,9 +212,12 @@ class MethodConfig:
         reason = self._bf16_reason(prefix)
         if reason is not None:
             return LayerRoute(Precision.BF16, (), reason, prefix)
+        steps = self._w4a8_steps
+        if prefix in self.mxfp8_layers:
+            note = f"; W4A8 fallback steps {list(steps)} do not apply to MXFP8 layers" if steps else ""
+            return LayerRoute(Precision.W8A8, (), f"listed in mxfp8_layers (MXFP8 W8A8){note}", prefix)
         if prefix in self._w4a8_layers:
             return LayerRoute(Precision.W4A8, (), "listed in w4a8_fallback_layers", prefix)
-        steps = self._w4a8_steps
         reason = f"W4A4; W4A8 on denoise steps {list(steps)}" if steps else "W4A4"
         return LayerRoute(Precision.W4A4, steps, reason, prefix)
 
@@ -188,6 +228,7 @@ class Mxfp4Config(MethodConfig):
 
     is_checkpoint_mxfp4_serialized: bool = key(False, check_bool, role=SERIALIZED_FLAG)
     ignored_layers: tuple[str, ...] = key((), check_layers, role=STORAGE)
+    mxfp8_layers: tuple[str, ...] = key((), check_layers, role=STORAGE)
     w4a8_fallback_layers: tuple[str, ...] = key((), check_layers, role=RUNTIME_POLICY)
     w4a8_fallback_steps: tuple[int, ...] = key((), check_steps, role=RUNTIME_POLICY)
     require_smooth_scale: bool = key(False, check_bool, role=REQUIREMENT)
@@ -230,6 +271,7 @@ class Mxfp4DualScaleConfig(MethodConfig):
 
     is_checkpoint_serialized: bool = key(False, check_bool, role=SERIALIZED_FLAG)
     ignored_layers: tuple[str, ...] = key((), check_layers, role=STORAGE)
+    mxfp8_layers: tuple[str, ...] = key((), check_layers, role=STORAGE)
     num_bf16_fallback_layers: int = key(5, check_count, role=RUNTIME_SETTING)
     backend: str = key("auto", check_backend, role=RUNTIME_SETTING)
 
