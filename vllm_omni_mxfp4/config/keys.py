@@ -248,6 +248,33 @@ def check_layers(key: str, value: object) -> tuple[str, ...]:
     return tuple(sorted(set(value), key=layer_order))
 
 
+ONLINE_ROTATION_FIELDS = ("layers", "applied", "reason")
+
+
+def check_online_rotation(key: str, value: object) -> dict[str, Any] | None:
+    """The merge's record of msModelSlim online Q/K rotations left unapplied (informational, so that a
+    checkpoint says what its producer did): ``None``, or ``{"layers": [attention module paths],
+    "applied": false, "reason": text}``. Only unapplied rotations exist: the runtime applies none."""
+    if value is None:
+        return None
+    shape = (
+        f"{key} must be null or an object with keys layers (attention module paths), applied (false) "
+        "and reason (text), as the merge writes it"
+    )
+    if not isinstance(value, Mapping) or sorted(value) != sorted(ONLINE_ROTATION_FIELDS):
+        raise ValueError(f"{shape}. Got {show_value(value)}.")
+    layers = check_layers(f"{key}.layers", value["layers"])
+    if value["applied"] is not False:
+        raise ValueError(
+            f"{key}.applied must be false: vllm-omni-mxfp4 applies no online rotation (the merge accepts "
+            f"only rotations that serving without them keeps exact). Got {show_value(value['applied'])}."
+        )
+    reason = value["reason"]
+    if not isinstance(reason, str) or not reason.strip():
+        raise ValueError(f"{shape}. Its reason {show_value(reason)} is not a non-empty string.")
+    return {"layers": list(layers), "applied": False, "reason": reason}
+
+
 def merge_alias(name: str, first: tuple, second: tuple) -> tuple:
     """Two spellings of one list key (e.g. ``modules_to_not_convert``): one may be empty, else equal."""
     if first and second and first != second:

@@ -30,6 +30,7 @@ from .keys import (
     check_bool,
     check_count,
     check_layers,
+    check_online_rotation,
     check_requant_rule,
     check_scale_alg,
     check_steps,
@@ -64,7 +65,7 @@ class MethodConfig:
     EMPTY_ONLY_KEYS: ClassVar[Mapping[str, EmptyOnlyKey]] = MappingProxyType({})
     #: Keys written by :meth:`to_dict` only when non-empty, so that a config that does not use them
     #: serializes (and writes its checkpoint block) exactly as before they existed.
-    OMITTED_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ("mxfp8_layers",)
+    OMITTED_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ("mxfp8_layers", "online_rotation")
 
     ignored_layers: tuple[str, ...]
     mxfp8_layers: tuple[str, ...]
@@ -229,6 +230,7 @@ class Mxfp4Config(MethodConfig):
     is_checkpoint_mxfp4_serialized: bool = key(False, check_bool, role=SERIALIZED_FLAG)
     ignored_layers: tuple[str, ...] = key((), check_layers, role=STORAGE)
     mxfp8_layers: tuple[str, ...] = key((), check_layers, role=STORAGE)
+    online_rotation: dict[str, Any] | None = key(None, check_online_rotation, role=STORAGE)
     w4a8_fallback_layers: tuple[str, ...] = key((), check_layers, role=RUNTIME_POLICY)
     w4a8_fallback_steps: tuple[int, ...] = key((), check_steps, role=RUNTIME_POLICY)
     require_smooth_scale: bool = key(False, check_bool, role=REQUIREMENT)
@@ -272,6 +274,7 @@ class Mxfp4DualScaleConfig(MethodConfig):
     is_checkpoint_serialized: bool = key(False, check_bool, role=SERIALIZED_FLAG)
     ignored_layers: tuple[str, ...] = key((), check_layers, role=STORAGE)
     mxfp8_layers: tuple[str, ...] = key((), check_layers, role=STORAGE)
+    online_rotation: dict[str, Any] | None = key(None, check_online_rotation, role=STORAGE)
     num_bf16_fallback_layers: int = key(5, check_count, role=RUNTIME_SETTING)
     backend: str = key("auto", check_backend, role=RUNTIME_SETTING)
 
