@@ -14,11 +14,12 @@ runtime its policies, a requirement holds if either side sets it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 
 from .keys import METHOD_KEYS, REQUIREMENT, method_name, method_of_mapping, show_value
-from .methods import CONFIG_TYPES, QuantConfig, config_class
+from .methods import CONFIG_TYPES, Mxfp4Config, QuantConfig, config_class
 from .parse import ComponentConfigs
 
 logger = logging.getLogger(__name__)
@@ -142,3 +143,23 @@ def resolve_component(
             return None
         spec = selected
     return reconcile_with_checkpoint(spec, checkpoint_qc)
+
+
+def nvfp4_source_config(runtime: QuantConfig, origin: str) -> Mxfp4Config:
+    """The config a component whose checkpoint is NVFP4 (``origin`` says where that was declared) is
+    served with when ``runtime`` asks for one of our methods: ``runtime`` with its weights marked
+    serialized (they are requantized to MXFP4 while they load, docs/nvfp4.md).
+
+    The producer's ``quantization_config`` does not take part: every key (ignored_layers, W4A8 lists,
+    backend, ``nvfp4_requant_rule``) is the runtime's. ``mxfp4_dualscale`` is refused: requantization
+    gives single-scale MXFP4 (one E8M0 scale per 32), the only format NVFP4 reaches without a second
+    rounding; DualScale's FP32 per-512 scales would need one.
+    """
+    if not isinstance(runtime, Mxfp4Config):
+        raise ValueError(
+            f"{origin} declares an NVFP4 checkpoint, which {runtime.METHOD!r} cannot serve: NVFP4 is "
+            "requantized to single-scale MXFP4 at load (one E8M0 scale per 32 elements, no per-512 FP32 "
+            "scale), the only exact path. Pass quantization='mxfp4' (--quantization mxfp4) instead; "
+            "ignored_layers carries over."
+        )
+    return dataclasses.replace(runtime, is_checkpoint_mxfp4_serialized=True)

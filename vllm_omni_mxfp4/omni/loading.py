@@ -329,8 +329,11 @@ def _raised_in_vllm(exc: BaseException) -> bool:
 
 def guarded_load_weights(model: torch.nn.Module, load_weights: Callable, weights: Iterable) -> Any:
     """``model.load_weights(weights)`` with every vLLM loader failure named, and unknown tensors of
-    quantized layers refused (the model's loader skips names it has no parameter for)."""
-    stream = _Stream(weights)
+    quantized layers refused (the model's loader skips names it has no parameter for). The layers of an
+    NVFP4 checkpoint's experts are requantized in the stream first (:mod:`.nvfp4_loading`)."""
+    from .nvfp4_loading import convert_stream
+
+    stream = _Stream(convert_stream(model, weights))
     try:
         loaded = load_weights(stream)
     except (AssertionError, RuntimeError) as exc:  # a bare assert or narrow() overflow in vLLM's loaders

@@ -23,6 +23,7 @@ from ..kernels import KernelSelector
 from .linear import CheckedUnquantizedLinearMethod, MxLinearMethod
 from .mxfp4 import Mxfp4LinearMethod
 from .mxfp4_dualscale import Mxfp4DualScaleLinearMethod
+from .nvfp4_loading import current_plan
 
 
 class MxQuantizationConfig(QuantizationConfig):
@@ -82,10 +83,13 @@ class MxQuantizationConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None
-        route = self.config.route(prefix)
+        route, config = self.config.route(prefix), self.config
+        plan = current_plan()  # an NVFP4 checkpoint's expert: its own routes, serialized weights
+        if plan is not None:
+            route, config = plan.route(prefix, route), plan.config
         if route.precision is Precision.BF16:
-            return CheckedUnquantizedLinearMethod(route, self.config)
-        return self.method_class(self.config, route, prefix, self.kernels)
+            return CheckedUnquantizedLinearMethod(route, config)
+        return self.method_class(config, route, prefix, self.kernels)
 
     # Attributes vLLM-Omni reads (lists, as upstream keeps them).
     @property

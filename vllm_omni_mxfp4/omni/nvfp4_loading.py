@@ -1,0 +1,373 @@
+"""Serving an NVFP4 checkpoint with ``mxfp4``: requantization while the weights load.
+
+When a Wan expert (``transformer``, ``transformer_2``) is built with one of our configs and its
+directory holds an NVFP4 checkpoint (:func:`~vllm_omni_mxfp4.sources.nvfp4.detect_nvfp4`: every
+producer form, failing closed with the layer named), three things change (docs/nvfp4.md,
+"Serving an NVFP4 checkpoint"):
+
+1. **Build** (:func:`install` wraps the Wan pipelines' ``_create_transformer``): the producer's
+   ``quantization_config`` is set aside (vLLM-Omni would refuse it as another method), and while the
+   expert is built :func:`current_plan` gives its :class:`Nvfp4Plan`, which ``get_quant_method``
+   consults: a Linear whose checkpoint layers are NVFP4 gets the offline ``mxfp4`` method (the
+   runtime config with serialized weights, :func:`~vllm_omni_mxfp4.config.reconcile.nvfp4_source_config`);
+   one whose layers are stored unquantized or FP8 gets BF16; ``W4A16_NVFP4`` layers run W4A8.
+2. **Load** (:func:`convert_stream`, applied by :func:`~.loading.guarded_load_weights` to the
+   checkpoint's tensor stream): each NVFP4 layer's tensors are staged until its last one arrives,
+   then normalised (:func:`~vllm_omni_mxfp4.sources.nvfp4.load_nvfp4_weight`: nibble order, swizzled
+   scales, global scale), requantized on the target device (:func:`~vllm_omni_mxfp4.formats.requant.requantize_nvfp4`)
+   and handed on as the packed ``weight`` and E8M0 ``weight_scale`` the offline method loads, so every
+   backend and TP sharding run unchanged: each rank receives whole tensors and shards the MXFP4
+   result, so swizzled scales are unswizzled before any sharding. Layers that run in BF16 get the
+   exact float32 dequant rounded once to BF16; ``input_scale`` (static activation scales) is dropped,
+   since activations are quantized dynamically.
+3. **Report**: one record per checkpoint layer (requantized with its rule and error, dequantized,
+   kept) on the expert (``_mx_nvfp4``), logged and read by :mod:`.report`.
+
+Fused Q/K/V parts are requantized one by one: MXFP4 blocks run along K within a row, so joining the
+parts' rows first would give the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint.errors import CheckpointError
+from ..checkpoint.names import runtime_layer_name
+from ..config import LayerRoute, Precision
+from ..config.methods import Mxfp4Config
+from ..config.reconcile import nvfp4_source_config
+from ..formats.nvfp4 import dequantize_rows, row_slices
+from ..formats.requant import requantize_nvfp4
+from ..sources.nvfp4 import (
+    LayerSource,
+    Nvfp4Checkpoint,
+    SourceError,
+    detect_nvfp4,
+    load_mul_scale,
+    load_nvfp4_weight,
+    read_checkpoint_headers,
+)
+
+logger = logging.getLogger(__name__)
+
+PLAN_ATTR = "_mx_nvfp4"
+"""The attribute of a built expert holding its :class:`Nvfp4Plan` (and so its load report)."""
+
+AUTO_RULE = "mse"
+"""What ``nvfp4_requant_rule: auto`` means on every backend. Requantized weights are data to each
+kernel (packed E2M1 + E8M0, prepared like any offline checkpoint): no kernel's ``can_implement``
+looks at how the weight exponents were chosen, so the most accurate rule always runs."""
+
+W4A16_ALGO = "W4A16_NVFP4"
+
+_BUILDING: ContextVar[Nvfp4Plan | None] = ContextVar("vllm_omni_mxfp4_nvfp4_plan", default=None)
+
+
+def runtime_name(layer: str) -> str:
+    """The runtime Linear path of a checkpoint layer (Wan2.2's fused Q/K/V and FFN names), else itself."""
+    try:
+        return runtime_layer_name(layer)
+    except CheckpointError:
+        return layer
+
+
+@dataclass
+class Nvfp4Plan:
+    """One expert's NVFP4 checkpoint and what happens to each of its layers.
+
+    ``config``: the offline ``mxfp4`` config its quantized Linears get; ``rule``: the requantization
+    rule (``auto`` resolved); ``params``: checkpoint module -> its tensor names in the files, so a
+    layer is converted once all of them arrived; ``by_runtime``: runtime Linear path -> its checkpoint
+    layers; ``mx_layers``: runtime paths built with the ``mxfp4`` method; ``records``: the load report.
+    """
+
+    component: str
+    directory: Path
+    checkpoint: Nvfp4Checkpoint
+    config: Mxfp4Config
+    rule: str
+    params: Mapping[str, frozenset[str]]
+    by_runtime: Mapping[str, tuple[str, ...]]
+    mx_layers: set[str] = field(default_factory=set)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls, component: str, directory: Path, checkpoint: Nvfp4Checkpoint, config: Mxfp4Config
+    ) -> Nvfp4Plan:
+        """The plan of ``checkpoint`` (detected in ``directory``) served with ``config``."""
+        tensors, _, _ = read_checkpoint_headers(directory)
+        params: dict[str, set[str]] = {}
+        for key in tensors:
+            module, _, param = key.rpartition(".")
+            params.setdefault(module, set()).add(param)
+        by_runtime: dict[str, list[str]] = {}
+        for name in checkpoint.layers:
+            by_runtime.setdefault(runtime_name(name), []).append(name)
+        rule = AUTO_RULE if config.nvfp4_requant_rule == "auto" else config.nvfp4_requant_rule
+        return cls(
+            component, directory, checkpoint, config, rule,
+            {m: frozenset(p) for m, p in params.items() if m in checkpoint.layers},
+            {r: tuple(sorted(n)) for r, n in by_runtime.items()},
+        )  # fmt: skip
+
+    def route(self, prefix: str, route: LayerRoute) -> LayerRoute:
+        """The route of the runtime Linear ``prefix`` given the config's ``route``: BF16 when its
+        checkpoint layers are not (all) NVFP4, W4A8 for ``W4A16_NVFP4`` layers, else ``route``."""
+        layers = [self.checkpoint.layers[n] for n in self.by_runtime.get(prefix, ())]
+        if not layers:
+            return route  # no tensors in the checkpoint: as any offline layer (the load says so)
+        kept = [layer for layer in layers if layer.action != "requantize"]
+        if kept:
+            reason = f"NVFP4 checkpoint: {kept[0].name} {kept[0].reason}"
+            if len(kept) < len(layers):
+                reason += " (a fused projection runs in the precision of its most precise part)"
+            return LayerRoute(Precision.BF16, (), reason, prefix)
+        if route.precision is Precision.BF16:
+            return route
+        if route.precision is Precision.W4A4 and any(layer.algo == W4A16_ALGO for layer in layers):
+            route = LayerRoute(
+                Precision.W4A8, (), f"{W4A16_ALGO} in the checkpoint: 8-bit activations, not 4", prefix
+            )
+        self.mx_layers.add(prefix)
+        return route
+
+    def summary(self) -> str:
+        """One line: how many checkpoint layers were requantized, dequantized and kept."""
+        counts: dict[str, int] = {}
+        for record in self.records:
+            counts[record["action"]] = counts.get(record["action"], 0) + 1
+        done = ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+        worst = max((r for r in self.records if "rel_rms" in r), key=lambda r: r["rel_rms"], default=None)
+        tail = f"; largest rel_rms {worst['rel_rms']:.4g} ({worst['layer']})" if worst else ""
+        return f"{self.component}: {self.checkpoint.summary()}; loaded: {done} (rule {self.rule}){tail}"
+
+
+def current_plan() -> Nvfp4Plan | None:
+    """The plan of the expert being built now (None outside an NVFP4 expert's construction)."""
+    return _BUILDING.get()
+
+
+@contextlib.contextmanager
+def building(plan: Nvfp4Plan) -> Iterator[None]:
+    """Make ``plan`` the :func:`current_plan` while an expert is built."""
+    token = _BUILDING.set(plan)
+    try:
+        yield
+    finally:
+        _BUILDING.reset(token)
+
+
+# ------------------------------------------------------------------------------- detection
+
+
+def _runtime_config(od_config: Any, component: str) -> Any:
+    """The quantization config the user gave for ``component`` (None when auto-detected or absent)."""
+    from vllm_omni.quantization.component_config import ComponentQuantizationConfig
+
+    if getattr(od_config, "quantization_config_is_auto_detected", False):
+        return None
+    qc = getattr(od_config, "quantization_config", None)
+    if isinstance(qc, ComponentQuantizationConfig):
+        qc = qc.component_configs.get(component, qc.default_config)
+    return qc
+
+
+def plan_component(od_config: Any, component: str) -> Nvfp4Plan | None:
+    """The :class:`Nvfp4Plan` of ``component`` when one of our configs loads an NVFP4 checkpoint from
+    a local directory; None otherwise. Raises :class:`SourceError` for a layer we would not reproduce
+    exactly, ValueError for ``mxfp4_dualscale``."""
+    from .quant_config import MxQuantizationConfig
+
+    runtime = _runtime_config(od_config, component)
+    model = getattr(od_config, "model", None)
+    if not isinstance(runtime, MxQuantizationConfig) or not isinstance(model, str):
+        return None
+    directory = Path(model) / component
+    if not directory.is_dir():
+        return None
+    checkpoint = detect_nvfp4(directory)
+    if checkpoint is None:
+        return None
+    config = nvfp4_source_config(runtime.config, f"{component} ({checkpoint.origin})")
+    plan = Nvfp4Plan.of(component, directory, checkpoint, config)
+    logger.info("%s: %s; requantizing to MXFP4 at load (rule %s)", component, checkpoint.summary(), plan.rule)
+    return plan
+
+
+def _planning_create(original: Callable) -> Callable:
+    """``_create_transformer`` building an NVFP4 expert under its plan (module docstring, step 1)."""
+
+    def run(self: Any, config: dict, component: str = "transformer") -> Any:
+        plan = plan_component(self.od_config, component)
+        if plan is None:
+            return original(self, config, component)
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
+        with building(plan):
+            model = original(self, config, component)
+        setattr(model, PLAN_ATTR, plan)
+        return model
+
+    return run
+
+
+def install() -> None:
+    """Wrap the Wan2.2 pipelines' ``_create_transformer`` (T2V, I2V, VACE); idempotent."""
+    from vllm_omni.diffusion.models.wan2_2 import pipeline_wan2_2, pipeline_wan2_2_i2v, pipeline_wan2_2_vace
+
+    for pipeline in (
+        pipeline_wan2_2.Wan22Pipeline,
+        pipeline_wan2_2_i2v.Wan22I2VPipeline,
+        pipeline_wan2_2_vace.Wan22VACEPipeline,
+    ):
+        original = pipeline._create_transformer
+        if getattr(original, "_mx_nvfp4", False):
+            continue
+        wrapper = functools.wraps(original)(_planning_create(original))
+        wrapper._mx_nvfp4 = True
+        pipeline._create_transformer = wrapper
+
+
+# ------------------------------------------------------------------------------- conversion
+
+
+def _target(model: torch.nn.Module, prefix: str, name: str) -> torch.nn.Module | None:
+    """The runtime module of checkpoint layer ``name`` under ``prefix`` (``transformer.``), if any."""
+    try:
+        return model.get_submodule(prefix + runtime_name(name))
+    except AttributeError:
+        return None
+
+
+def _float_dtype(module: torch.nn.Module | None) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device a BF16 layer's weight has in ``module`` (bfloat16 / CPU without one)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight.dtype, weight.device
+    return torch.bfloat16, torch.device("cpu")
+
+
+def _dequantized(layer: LayerSource, get: Callable[[str], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """A layer's weight in ``dtype``: NVFP4 through the exact float32 dequant (row chunks, Smooth
+    folded into the columns), FP8 times its scale; each value rounded once."""
+    if layer.action == "dequantize":
+        weight, scale = get(layer.tensors["weight"]), get(layer.tensors["weight_scale"]).float()
+        scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
+        return (weight.float() * scale).to(dtype)
+    w = load_nvfp4_weight(layer, get)
+    smooth = load_mul_scale(layer, get)
+    out = torch.empty(w.shape, dtype=dtype, device=w.codes.device)
+    for rows in row_slices(*w.shape):
+        values = dequantize_rows(w, rows)
+        out[rows] = (values * smooth if smooth is not None else values).to(dtype)
+    return out
+
+
+def _record(plan: Nvfp4Plan, layer: LayerSource, action: str, reason: str, **extra: Any) -> None:
+    """Add one layer's entry to the expert's load report (read by :mod:`.report`) and log it."""
+    record = {"layer": layer.name, "runtime": runtime_name(layer.name), "action": action, "algo": layer.algo}
+    record.update(reason=reason, **extra)
+    plan.records.append(record)
+    logger.info("%s.%s: %s (%s)", plan.component, layer.name, action, reason)
+
+
+def convert_layer(
+    plan: Nvfp4Plan, layer: LayerSource, staged: Mapping[str, torch.Tensor], module: torch.nn.Module | None
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a completely staged checkpoint layer becomes for the runtime ``module``: MXFP4
+    ``weight`` / ``weight_scale`` (+ ``mul_scale``) for an ``mxfp4`` Linear, a BF16 ``weight``
+    otherwise; ``bias`` as stored; static activation scales dropped."""
+    mx = layer.action == "requantize" and runtime_name(layer.name) in plan.mx_layers
+    dtype, device = _float_dtype(module)
+    if mx:
+        device = next(iter(module.parameters())).device if module is not None else device
+
+    def get(key: str) -> torch.Tensor:
+        return staged[key].to(device)
+
+    out = [(layer.tensors["bias"], staged[layer.tensors["bias"]])] if "bias" in layer.tensors else []
+    weight_key = layer.tensors["weight"]
+    module_name = weight_key.rpartition(".")[0]
+    if not mx:
+        out.append((f"{module_name}.weight", _dequantized(layer, get, dtype)))
+        why = layer.reason if layer.action == "dequantize" else "NVFP4 layer of a Linear that runs in BF16"
+        _record(plan, layer, "dequantize", f"{why}; exact float32 dequant rounded once to {dtype}")
+        return out
+    result = requantize_nvfp4(load_nvfp4_weight(layer, get), plan.rule)
+    out += [(f"{module_name}.weight", result.data), (f"{module_name}.weight_scale", result.scale)]
+    smooth = load_mul_scale(layer, get)
+    if smooth is not None:
+        out.append((f"{module_name}.mul_scale", smooth))
+    e = result.error
+    _record(
+        plan, layer, "requantize", f"{layer.algo} -> MXFP4", rule=e.rule, rel_rms=e.rel_rms,
+        max_abs=e.max_abs, exact_blocks=e.exact_blocks, total_blocks=e.total_blocks,
+    )  # fmt: skip
+    return out
+
+
+def _plans(model: torch.nn.Module) -> dict[str, Nvfp4Plan]:
+    """Tensor-name prefix -> plan, for the model itself and each of its children built under one."""
+    found = {"": getattr(model, PLAN_ATTR)} if isinstance(getattr(model, PLAN_ATTR, None), Nvfp4Plan) else {}
+    for name, child in model.named_children():
+        plan = getattr(child, PLAN_ATTR, None)
+        if isinstance(plan, Nvfp4Plan):
+            found[f"{name}."] = plan
+    return found
+
+
+def convert_stream(
+    model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """``weights`` with every NVFP4 / FP8 layer of an NVFP4 expert of ``model`` converted (module
+    docstring, step 2); unchanged when ``model`` has none."""
+    plans = _plans(model)
+    return _converted(model, plans, weights) if plans else weights
+
+
+def _converted(
+    model: torch.nn.Module, plans: Mapping[str, Nvfp4Plan], weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The generator behind :func:`convert_stream`: stage, convert when complete, check the end."""
+    staged: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix = next((p for p in sorted(plans, key=len, reverse=True) if name.startswith(p)), None)
+        plan = plans.get(prefix) if prefix is not None else None
+        key = name[len(prefix) :] if plan is not None else name
+        layer = plan.checkpoint.layers.get(key.rpartition(".")[0]) if plan is not None else None
+        if layer is None or layer.action == "keep":
+            yield name, tensor
+            continue
+        module = key.rpartition(".")[0]
+        stage = staged.setdefault((prefix, module), {})
+        stage[key] = tensor
+        if len(stage) < len(plan.params[module]):
+            continue
+        del staged[(prefix, module)]
+        for out_key, out in convert_layer(plan, layer, stage, _target(model, prefix, module)):
+            yield prefix + out_key, out
+        stage.clear()  # the staged NVFP4 tensors go before the next layer arrives
+    _check_finished(plans, staged)
+
+
+def _check_finished(plans: Mapping[str, Nvfp4Plan], staged: Mapping[tuple[str, str], Mapping]) -> None:
+    """Refuse a stream that ended with a layer's tensors missing; log each expert's summary."""
+    for (prefix, module), stage in staged.items():
+        plan = plans[prefix]
+        missing = sorted(plan.params[module] - {k.rpartition(".")[2] for k in stage})
+        raise SourceError(
+            f"{plan.component}.{module}",
+            f"the checkpoint's weight stream ended without its {missing} (the headers of {plan.directory} list them)",
+            "the files changed while loading, or a shard is missing; check the directory",
+        )
+    for plan in plans.values():
+        logger.info("%s", plan.summary())
