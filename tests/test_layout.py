@@ -218,6 +218,12 @@ IMPORT_RULES = (
         "a checkpoint source reads a producer's layout into formats' types; the engine calls it, not back",
     ),
     ImportRule(f"{P}.kernels", (f"{P}.omni",), why="kernels serve the vLLM glue, not the other way round"),
+    ImportRule(
+        f"{P}.convert",
+        (f"{P}.omni", f"{P}.kernels", f"{P}.platform", "vllm", "vllm_omni"),
+        why="the offline convert runs without the serving engine: formats' numerics, sources' layouts, "
+        "checkpoint's writer and staging",
+    ),
 )
 
 

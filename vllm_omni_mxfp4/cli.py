@@ -178,9 +178,14 @@ class _SignalGuard:
             signal.signal(signum, previous)
 
 
-def run_merge(args: argparse.Namespace) -> int:
-    """Run ``merge`` for parsed arguments; prints the summary or the error; returns the exit status."""
-    from .checkpoint import CheckpointError, merge
+def run_guarded(
+    args: argparse.Namespace, work: Callable[[], object], summary: Callable[[object], str]
+) -> int:
+    """Run ``work()`` (a merge or a convert, both writing through a staging directory) under the
+    signal guard; print ``summary(report)``, ``report.to_dict()`` as JSON with ``args.json``, or the
+    error; return the exit status: 0, 2 for a refusal (:class:`CheckpointError`), 1 for an I/O
+    error, 128 + the signal's number for a handled signal. No output is left unless it returns 0."""
+    from .checkpoint import CheckpointError
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
@@ -194,17 +199,7 @@ def run_merge(args: argparse.Namespace) -> int:
 
     try:
         with _SignalGuard():
-            report = merge(
-                args.model_type,
-                args.original_model,
-                args.quant_path,
-                args.output_path,
-                weight_layout=args.weight_layout,
-                max_shard_size=args.max_shard_size,
-                dry_run=args.dry_run,
-                overwrite=args.overwrite,
-                non_block_quantized=args.non_block_quantized,
-            )
+            report = work()
     except CheckpointError as exc:
         return fail(str(exc), 2)
     except KeyboardInterrupt:  # raised by code that runs its own SIGINT handling
@@ -217,8 +212,28 @@ def run_merge(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ok": True, **report.to_dict()}, indent=2))
     else:
-        print(format_merge_summary(report))
+        print(summary(report))
     return 0
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    """Run ``merge`` for parsed arguments; prints the summary or the error; returns the exit status."""
+    from .checkpoint import merge
+
+    def work():
+        return merge(
+            args.model_type,
+            args.original_model,
+            args.quant_path,
+            args.output_path,
+            weight_layout=args.weight_layout,
+            max_shard_size=args.max_shard_size,
+            dry_run=args.dry_run,
+            overwrite=args.overwrite,
+            non_block_quantized=args.non_block_quantized,
+        )
+
+    return run_guarded(args, work, format_merge_summary)
 
 
 def _add_merge_command(subparsers: argparse._SubParsersAction) -> None:
@@ -232,8 +247,119 @@ def _add_merge_command(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_merge)
 
 
+CONVERT_DESCRIPTION = """\
+Convert an NVFP4 diffusers checkpoint (ModelOpt, compressed-tensors or Comfy/BFL layout) into an
+offline MXFP4 one that vLLM-Omni auto-detects (quant_method mxfp4, packed uint8 weight + E8M0
+weight_scale). INPUT is a pipeline directory (each NVFP4 component converted, every other file
+copied byte for byte) or one transformer directory with its diffusers config.json. Each NVFP4 block
+Linear is dequantized exactly and requantized per 32-block under --scale-rule; producer excludes
+stay as stored, FP8 layers and NVFP4 Linears the model runs unquantized become BF16, and the layers
+the model would otherwise quantize are listed in ignored_layers. A refused layer fails the whole
+convert, naming it. Streaming (one layer in memory at a time), built beside the target and renamed
+into place at the end: a failure or an interruption leaves no output directory.
+
+Exit status: 0 success, 2 usage or validation error, 1 I/O error, 128 + the signal's number for
+SIGINT (130), SIGHUP (129), SIGQUIT (131) and SIGTERM (143)."""
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``convert``."""
+    from .convert import DEFAULT_RULE
+    from .formats.requant import REQUANT_RULES
+
+    parser.add_argument(
+        "--input", required=True, help="NVFP4 pipeline directory, or one transformer directory."
+    )
+    parser.add_argument("--output", required=True, help="MXFP4 directory to create.")
+    parser.add_argument(
+        "--scale-rule",
+        choices=REQUANT_RULES,
+        default=DEFAULT_RULE,
+        help="E8M0 exponent rule per 32-block: floor (OCP), even (SGLang, AITER), rceil, or mse (default: "
+        "the least squared error among floor's exponent and its neighbours; never worse than the others).",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="Shard each converted transformer into files of at most SIZE (e.g. 5GB) plus an index. "
+        "Default: one file.",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="Detect, plan and report; compute and write nothing."
+    )
+    parser.add_argument("--overwrite", action="store_true", help="Replace an existing output directory.")
+    parser.add_argument("--json", action="store_true", help="Print a machine-readable JSON report instead.")
+
+
+def _layer_line(layer) -> str:
+    if layer.action == "mxfp4" and layer.rel_rms is not None:
+        share = layer.exact_blocks / layer.total_blocks if layer.total_blocks else 1.0
+        return (
+            f"    {layer.name}: mxfp4 ({layer.rule}) rel_rms={layer.rel_rms:.4g} max_abs={layer.max_abs:.4g} "
+            f"exact_blocks={share:.1%}"
+        )
+    return f"    {layer.name}: {layer.action} ({layer.rule or layer.reason})"
+
+
+def format_convert_summary(report) -> str:
+    """The human-readable summary of a :class:`~vllm_omni_mxfp4.convert.ConvertReport`: per
+    component the counts, then one line per layer (its action and rule, and its requantization
+    error against the exact NVFP4 dequant)."""
+    head = "dry run, nothing written:" if report.dry_run else "converted"
+    lines = [f"{head} {report.input_path} -> {report.output_path} (scale rule {report.scale_rule})"]
+    for c in report.components:
+        lines.append(
+            f"  {c.name}: {c.model_class} NVFP4 by {c.producer}: {c.count('mxfp4')} MXFP4, {c.count('bf16')} BF16, "
+            f"{c.count('kept')} kept as stored ({len(c.ignored_layers)} ignored_layers); "
+            f"{_human(c.bytes_in)} in, {_human(c.bytes_out)} out, {c.seconds:.2f} s"
+        )
+        lines.extend(_layer_line(layer) for layer in c.layers)
+        lines.extend(f"    warning: {w}" for w in c.warnings)
+    lines.append(
+        f"  copied {report.copied_files} other files ({_human(report.copied_bytes)}); total {report.seconds:.2f} s"
+    )
+    lines.extend(f"  removed {path}, left by a killed run" for path in report.removed_stale)
+    lines.extend(
+        f"  stale: {path}, left by a killed run; the next run removes it" for path in report.stale_staging
+    )
+    return "\n".join(lines)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """Run ``convert`` for parsed arguments; prints the summary or the error; returns the exit status."""
+    from .convert import convert
+
+    def work():
+        return convert(
+            args.input,
+            args.output,
+            scale_rule=args.scale_rule,
+            max_shard_size=args.max_shard_size,
+            dry_run=args.dry_run,
+            overwrite=args.overwrite,
+        )
+
+    return run_guarded(args, work, format_convert_summary)
+
+
+def _add_convert_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "convert",
+        help="Convert an NVFP4 diffusers checkpoint into an offline MXFP4 one.",
+        description=CONVERT_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_convert_arguments(parser)
+    parser.set_defaults(func=run_convert)
+
+
 #: One small function per subcommand; each adds its sub-parser and sets ``func``.
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_merge_command,)
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_merge_command,
+    _add_convert_command,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
