@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_omni_mxfp4.formats import quantize_dualscale, quantize_mx
-from vllm_omni_mxfp4.kernels import EmulatedDual, EmulatedSingle
+from vllm_omni_mxfp4.formats import quantize_dualscale, quantize_mx, quantize_mxfp8
+from vllm_omni_mxfp4.kernels import EmulatedDual, EmulatedMxfp8, EmulatedSingle
 from vllm_omni_mxfp4.omni import build_quant_config
 
 K, N = 256, 96
@@ -212,7 +212,7 @@ def set_kernels(model, make_kernel):
 
 def emulated(fmt, **options):
     """An emulated kernel of format ``fmt`` with the NPU's numerics."""
-    return (EmulatedSingle if fmt == "mxfp4" else EmulatedDual)(**options)
+    return {"mxfp4": EmulatedSingle, "mxfp8": EmulatedMxfp8}.get(fmt, EmulatedDual)(**options)
 
 
 def exact(fmt):
@@ -302,3 +302,41 @@ def checkpoint_variant(src, dst, *, config=None, tensors=None, sub="transformer"
         tensors(data)
         save_file(data, str(path))
     return dst
+
+
+def write_mxfp8_blocks(src, dst, blocks=(0,)):
+    """The tiny model's transformer ``src`` as an offline ``mxfp4`` checkpoint at ``dst`` whose
+    ``blocks`` store every Linear as MXFP8 W8A8 (``float8_e4m3fn`` weights, E8M0 scales per 32,
+    quantized from the original BF16 weights with the OCP rule) and list them in ``mxfp8_layers``:
+    the layout msModelSlim's Wan2.2 recipes give blocks 0-4. Returns the runtime names listed."""
+    from vllm_omni_mxfp4.checkpoint.names import runtime_layer_name
+
+    write_offline_checkpoint(src, dst, "mxfp4")
+    original = load_file(str(src / "diffusion_pytorch_model.safetensors"))
+    path = dst / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(str(path))
+    listed = set()
+    for name, t in original.items():
+        prefix = name[: -len(".weight")]
+        if (
+            name.endswith(".weight")
+            and f"{prefix}.weight_scale" in tensors
+            and int(name.split(".")[1]) in blocks
+        ):
+            tensors[name], tensors[f"{prefix}.weight_scale"] = quantize_mxfp8(t)
+            listed.add(runtime_layer_name(prefix))
+    save_file(tensors, str(path))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"]["mxfp8_layers"] = sorted(listed)
+    (dst / "config.json").write_text(json.dumps(config))
+    return sorted(listed)
+
+
+@pytest.fixture(scope="module")
+def mxfp8_dir(tiny_dir, tmp_path_factory):
+    """The tiny model with block 0 in MXFP8 W8A8 and block 1 in MXFP4 (one offline ``mxfp4`` checkpoint)."""
+    model = tmp_path_factory.mktemp("mxfp8") / "model"
+    model.mkdir()
+    write_mxfp8_blocks(tiny_dir / "transformer", model / "transformer")
+    shutil.copy(tiny_dir / "model_index.json", model / "model_index.json")
+    return model

@@ -20,9 +20,9 @@ import logging
 from .. import envs
 from ..spec import BACKENDS, FORMATS
 from .base import MxKernel, MxLayerSpec, Prepared, SharedBlocks
-from .emulated import EmulatedDual, EmulatedSingle
+from .emulated import EmulatedDual, EmulatedMxfp8, EmulatedSingle
 from .emulated_rocm import EmulatedAiterSingle
-from .npu import NpuDual, NpuSingle
+from .npu import NpuDual, NpuMxfp8, NpuSingle
 from .rocm import AiterSingle
 
 logger = logging.getLogger(__name__)
@@ -31,11 +31,13 @@ __all__ = [
     "KERNELS",
     "EmulatedAiterSingle",
     "EmulatedDual",
+    "EmulatedMxfp8",
     "EmulatedSingle",
     "KernelSelector",
     "MxKernel",
     "MxLayerSpec",
     "NpuDual",
+    "NpuMxfp8",
     "NpuSingle",
     "AiterSingle",
     "Prepared",
@@ -47,7 +49,16 @@ __all__ = [
 KERNELS: dict[tuple[str, str], tuple[type[MxKernel], ...]] = {
     (fmt, backend): tuple(
         cls
-        for cls in (EmulatedSingle, EmulatedDual, EmulatedAiterSingle, NpuSingle, NpuDual, AiterSingle)
+        for cls in (
+            EmulatedSingle,
+            EmulatedDual,
+            EmulatedMxfp8,
+            EmulatedAiterSingle,
+            NpuSingle,
+            NpuDual,
+            NpuMxfp8,
+            AiterSingle,
+        )
         if (cls.format, cls.backend) == (fmt, backend)
     )
     for fmt in FORMATS

@@ -120,7 +120,7 @@ class MxLayerSpec:
     """What a kernel needs to know about one quantized Linear partition."""
 
     prefix: str
-    fmt: str  # "mxfp4" or "mxfp4_dualscale" (spec.FORMATS)
+    fmt: str  # "mxfp4", "mxfp4_dualscale" or "mxfp8" (spec.FORMATS)
     scale_rule: str  # the config's rule of online weights and A4 activations: "floor" (OCP) or "uos"
     in_features: int  # K of this partition
     out_features: int  # N of this partition

@@ -11,6 +11,10 @@ dequantized again, and the GEMM runs on the dequantized values:
   the summation order differs. With ``compute_dtype="float32"`` the GEMM runs in float32 and the
   output equals the float32 reference bit for bit. W4A8 mirrors the NPU mixed kernel: E4M3
   activations (FLOOR), a bf16 bias and a bf16-rounded output, cast back to the caller's dtype.
+- :class:`EmulatedMxfp8` (``mxfp8``, the W8A8 layers of ``mxfp8_layers``): E4M3 weights with E8M0
+  scales per 32, activations quantized to MXFP8 with the OCP rule (``floor(log2 amax) - 8``, the
+  NPU's ``scale_alg=0`` and msModelSlim's simulation); every dequantized value (E4M3 x 2^k) is
+  exact in bfloat16, so the GEMM dtypes are :class:`EmulatedSingle`'s.
 - :class:`EmulatedDual` (``mxfp4_dualscale``): dequantized values carry the float32 coarse scale
   and are not bf16-exact, so it computes in float32; float32 callers are computed from bf16
   activations and get a bf16-rounded output, as the NPU dual-level kernels (fp16/bf16 only).
@@ -31,7 +35,16 @@ import torch.nn.functional as F
 
 from .. import envs
 from ..config import Precision
-from ..formats import dequantize_dualscale, dequantize_mx, fake_quantize_mx, quantize_dualscale, quantize_mx
+from ..formats import (
+    dequantize_dualscale,
+    dequantize_mx,
+    dequantize_mxfp8,
+    fake_quantize_mx,
+    fake_quantize_mxfp8,
+    quantize_dualscale,
+    quantize_mx,
+    quantize_mxfp8,
+)
 from .base import Call, MxKernel, MxLayerSpec, Prepared
 
 COMPUTE_DTYPES = ("auto", "float32")
@@ -43,6 +56,8 @@ class EmulatedKernel(MxKernel):
     backend = "emulated"
     #: dtype of the dequantized weight for ``compute_dtype="auto"``.
     auto_weight_dtype: torch.dtype = torch.bfloat16
+    #: K elements per index of the stored weight's last axis (2: packed FP4 bytes; 1: FP8 elements).
+    weight_k_per_index: int = 2
 
     def __init__(self, *, cache_dequantized: bool | None = None, compute_dtype: str | None = None) -> None:
         if compute_dtype is None:
@@ -73,8 +88,9 @@ class EmulatedKernel(MxKernel):
         packed = layer.weight
         front, back = spec.k_pad_front, spec.k_pad_back
         if front or back:
-            # Scales cover whole blocks past this shard's K range: line the bytes up with them.
-            packed = F.pad(packed, (front // 2, back // 2))
+            # Scales cover whole blocks past this shard's K range: line the elements up with them.
+            per = self.weight_k_per_index
+            packed = F.pad(packed, (front // per, back // per))
         w = self._dequantize(packed, layer, self._weight_dtype())
         return w[:, front : front + spec.in_features] if (front or back) else w
 
@@ -117,6 +133,28 @@ class EmulatedSingle(EmulatedKernel):
             return F.linear(xq.to(compute), weight.to(compute), b).to(torch.bfloat16)
         b = None if call.bias is None else call.bias.to(compute)
         return F.linear(xq.to(compute), weight.to(compute), b)
+
+
+class EmulatedMxfp8(EmulatedKernel):
+    """``mxfp8``: W8A8 MXFP8 (E4M3 weights and activations, OCP scales), bf16 or float32 GEMM."""
+
+    format = "mxfp8"
+    a4_rules = ("floor",)  # the OCP rule, whatever mxfp4_scale_alg says about FP4 activations
+    weight_k_per_index = 1
+
+    def _quantize_weight(self, weight: torch.Tensor, spec: MxLayerSpec) -> dict[str, torch.Tensor]:
+        data, scale = quantize_mxfp8(weight)
+        return {"weight": data, "weight_scale": scale}
+
+    @staticmethod
+    def _dequantize(data: torch.Tensor, layer: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_mxfp8(data, layer.weight_scale, dtype=dtype)
+
+    def _matmul(self, x: torch.Tensor, call: Call) -> torch.Tensor:
+        xq = aligned(call.spec, x, fake_quantize_mxfp8)
+        compute = self._compute_dtype(call.out_dtype)
+        b = None if call.bias is None else call.bias.to(compute)
+        return F.linear(xq.to(compute), self._weight(call).to(compute), b)
 
 
 class EmulatedDual(EmulatedKernel):

@@ -14,6 +14,15 @@ Single scale (``mxfp4``, :class:`NpuSingle`):
   ``group_sizes=[0, 0, 32]``, a bf16 ``(1, N)`` bias and a bf16 output cast back to the caller's
   dtype, so an fp16 caller gets bf16-rounded results (the kernel's only output type here).
 
+MXFP8 W8A8 (``mxfp8``, :class:`NpuMxfp8`, the layers of ``mxfp8_layers``):
+
+- activations (and online weights): ``npu_dynamic_mx_quant(dst_type=torch.float8_e4m3fn,
+  scale_alg=0)``, the OCP rule; FP8 takes ``round_mode="rint"`` only;
+- the weight stays the ``float8_e4m3fn`` (N, K) parameter, passed as a transposed view (no
+  ``x*_dtype``: native FP8 tensors describe themselves); scales re-laid as ``(N, ceil(G/2), 2)``;
+- GEMM: ``npu_quant_matmul`` in its MX FP8 mode, ``group_sizes=[1, 1, 32]``, a float32 bias (N,)
+  and the caller's output dtype (fp16, bf16 or fp32).
+
 Dual scale (``mxfp4_dualscale``, :class:`NpuDual`):
 
 - ``npu_dynamic_dual_level_mx_quant`` for online weights (no Smooth) and activations (the Smooth
@@ -51,7 +60,7 @@ SCALE_ALG_KWARGS: dict[str, dict[str, float]] = {
     "floor": {"scale_alg": 0},
     "uos": {"scale_alg": 2, "dst_type_max": UOS_DST_TYPE_MAX},
 }
-A4_GROUP_SIZES = [1, 1, 32]
+A4_GROUP_SIZES = [1, 1, 32]  # also MXFP8 W8A8's (MX mode: one scale per 32 of K on both sides)
 W4A8_GROUP_SIZES = [0, 0, 32]
 ACL_FORMAT_ND = 2
 ACL_FORMAT_FRACTAL_NZ = 29
@@ -156,6 +165,54 @@ class NpuSingle(NpuKernel):
             pertoken_scale_dtype=e8m0,
             bias=bias,
             **dtypes,
+        )
+
+
+class NpuMxfp8(NpuKernel):
+    """``mxfp8``: W8A8 MXFP8, ``npu_dynamic_mx_quant`` (E4M3, OCP) + ``npu_quant_matmul`` (MX FP8 mode)."""
+
+    format = "mxfp8"
+    a4_rules = ("floor",)
+
+    def _fp8_quant(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.npu.npu_dynamic_mx_quant(
+            x, axis=-1, round_mode="rint", dst_type=torch.float8_e4m3fn, block_size=MX_BLOCK, scale_alg=0
+        )
+
+    def _quantize_weight(self, weight: torch.Tensor, spec: MxLayerSpec) -> dict[str, torch.Tensor]:
+        data, scale = self._fp8_quant(weight)
+        groups = ceil_div(weight.shape[-1], MX_BLOCK)
+        return {"weight": data, "weight_scale": from_npu_scale_layout(as_uint8(scale), groups).contiguous()}
+
+    def _prepare(self, layer: torch.nn.Module, spec: MxLayerSpec, smooth: torch.Tensor | None) -> Prepared:
+        weight = layer.weight.data
+        if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (
+            spec.out_features,
+            spec.in_features,
+        ):
+            raise ValueError(
+                f"{spec.prefix}.weight: expected float8_e4m3fn (N, K) = {(spec.out_features, spec.in_features)}, "
+                f"got {weight.dtype} {tuple(weight.shape)}"
+            )
+        scale = checked_scale(layer, spec)
+        padded = spec.k_pad_front or spec.k_pad_back
+        weight = F.pad(weight, (spec.k_pad_front, spec.k_pad_back)) if padded else None
+        return Prepared(spec, smooth, weight=weight, scale=to_npu_scale_layout(scale).contiguous())
+
+    def _matmul(self, x: torch.Tensor, call: Call) -> torch.Tensor:
+        e8m0 = self.npu.float8_e8m0fnu
+        x_q, x_scale = self._fp8_quant(x)
+        bias = None if call.bias is None else call.bias.float()
+        return self.npu.npu_quant_matmul(
+            x_q,
+            call.weight().transpose(0, 1),
+            call.prepared.scale.transpose(0, 1),
+            scale_dtype=e8m0,
+            pertoken_scale=x_scale,
+            pertoken_scale_dtype=e8m0,
+            bias=bias,
+            output_dtype=call.out_dtype,
+            group_sizes=A4_GROUP_SIZES,
         )
 
 

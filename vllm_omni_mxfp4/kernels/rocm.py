@@ -23,7 +23,7 @@ probe blocks (maxima 1.5, 1.75 and 6.5 tell FLOOR, EVEN, RCEIL and the legacy ru
 cross-checks it with ``aiter.utility.mx_types.MX_DEFAULT_ROUND_MODE`` where that exists.
 :class:`~.emulated_rocm.EmulatedAiterSingle` reproduces the same numerics on any device.
 
-What AITER cannot run is declared in :data:`AITER_REFUSALS` (UOS activations, W4A8, DualScale)
+What AITER cannot run is declared in :data:`AITER_REFUSALS` (UOS activations, W4A8, DualScale, MXFP8)
 and refused with ``NotImplementedError`` naming the alternatives; any GPU but gfx950 is refused
 too (``gemm_a4w4`` does not run on gfx942 / MI300).
 """
@@ -73,6 +73,9 @@ AITER_REFUSALS = {
     "w4a8": "{where}W4A8 fallback (MXFP8 activations, w4a8_fallback_layers / w4a8_fallback_steps) is not "
     "supported by {who}: AITER's gemm_a4w4 takes FP4 activations only. {alternatives}, or list the layer "
     "in ignored_layers (BF16) instead.",
+    "mxfp8": "{where}MXFP8 W8A8 (a layer the checkpoint stores as MXFP8, listed in mxfp8_layers) is not "
+    "supported by {who}: this package runs AITER's FP4 GEMM (gemm_a4w4) only. Merge the checkpoint again with "
+    "--mxfp8-layers bf16 (those layers in BF16). {alternatives}.",
 }
 
 

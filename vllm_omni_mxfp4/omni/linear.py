@@ -181,7 +181,7 @@ class MxLinearMethod(LinearMethodBase):
     def _register_checkpoint_tensor(
         self, layer: torch.nn.Module, tensor: CheckpointTensor, n: int, vllm_loader
     ) -> None:
-        dtype = {"U8": torch.uint8, "F32": torch.float32}[tensor.dtypes[0]]
+        dtype = {"U8": torch.uint8, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}[tensor.dtypes[0]]
         shape = tensor.shape(n, layer._mx.geometry.k_of(tensor))
         if tensor.k_axis == 0:  # the Smooth vector: NaN until loaded, so a partial load shows
             data = torch.full(shape, float("nan"), dtype=dtype)
@@ -254,11 +254,16 @@ class MxLinearMethod(LinearMethodBase):
         if not torch.equal(have.to(smooth.dtype), smooth.to(have.device)):
             raise ValueError(f"Fused Q/K/V must share the same Smooth tensor: {self.prefix}.mul_scale")
 
-    def _checked(self, state: MxLayerState, name: str, t: torch.Tensor, *shard: Any) -> torch.Tensor:
-        """Validate a checkpoint tensor against the format; returns it in the parameter's layout."""
-        where, k_full = f"{self.prefix}.{name}", state.geometry.k_full
+    def where(self, name: str, *shard: Any) -> str:
+        """``prefix.name`` of a checkpoint tensor for messages, with the fused piece (``'q'``) it is."""
+        where = f"{self.prefix}.{name}"
         if shard and isinstance(shard[0], str):
             where += f" (fused piece {shard[0]!r})"
+        return where
+
+    def _checked(self, state: MxLayerState, name: str, t: torch.Tensor, *shard: Any) -> torch.Tensor:
+        """Validate a checkpoint tensor against the format; returns it in the parameter's layout."""
+        where, k_full = self.where(name, *shard), state.geometry.k_full
         if not self.online:
             return checked_tensor(where, self.tensor(name), t, k_full)
         if name != "weight":

@@ -23,6 +23,7 @@ from ..kernels import KernelSelector
 from .linear import CheckedUnquantizedLinearMethod, MxLinearMethod
 from .mxfp4 import Mxfp4LinearMethod
 from .mxfp4_dualscale import Mxfp4DualScaleLinearMethod
+from .mxfp8 import Mxfp8LinearMethod
 from .nvfp4_loading import current_plan
 
 
@@ -89,6 +90,8 @@ class MxQuantizationConfig(QuantizationConfig):
             route, config = plan.route(prefix, route), plan.config
         if route.precision is Precision.BF16:
             return CheckedUnquantizedLinearMethod(route, config)
+        if route.precision is Precision.W8A8:  # a layer the checkpoint stores as MXFP8 (mxfp8_layers)
+            return Mxfp8LinearMethod(config, route, prefix, self.kernels)
         return self.method_class(config, route, prefix, self.kernels)
 
     # Attributes vLLM-Omni reads (lists, as upstream keeps them).
