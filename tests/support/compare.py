@@ -55,6 +55,9 @@ class ReferenceKernel(MxKernel):
         if self.format == "mxfp4_dualscale":
             w = dequantize_dualscale(layer.weight, layer.weight_scale, layer.weight_dual_scale)
             return reference(x, w, call.bias, dual=True)
+        if self.format == "mxfp8":  # W8A8: E4M3 weights, OCP MXFP8 activations
+            w = dequantize_mx(layer.weight, layer.weight_scale, elem="fp8")
+            return reference(x, w, call.bias, act="fp8", rule="floor")
         w = dequantize_mx(layer.weight, layer.weight_scale)
         act, rule = ("fp8", "floor") if a8 else ("fp4", call.spec.scale_rule)
         return reference(x, w, call.bias, act=act, rule=rule, w4a8_bf16=a8)
