@@ -13,7 +13,14 @@
 
 from .config import ProducerConfig, parse_quant_config
 from .detect import describe_layers, detect_nvfp4, read_checkpoint_headers
-from .layouts import fuse_rows, load_mul_scale, load_nvfp4_weight, swap_nibbles, unswizzle_scales
+from .layouts import (
+    fuse_rows,
+    load_mul_scale,
+    load_nvfp4_weight,
+    strip_padding,
+    swap_nibbles,
+    unswizzle_scales,
+)
 from .records import LayerSource, Nvfp4Checkpoint, SourceError, TensorInfo
 
 __all__ = [
@@ -29,6 +36,7 @@ __all__ = [
     "load_nvfp4_weight",
     "parse_quant_config",
     "read_checkpoint_headers",
+    "strip_padding",
     "swap_nibbles",
     "unswizzle_scales",
 ]

@@ -13,7 +13,9 @@ Every difference between NVFP4 producers that the numerics must not see is undon
 - fused Q/K/V: separately stored parts joined along N with one global scale per row when their
   scales differ (:func:`fuse_rows`);
 - ``pre_quant_scale`` (AWQ input multiplier): checked and returned as the Smooth ``mul_scale``
-  (:func:`load_mul_scale`), since ``x * s`` before the GEMM is what both mean.
+  (:func:`load_mul_scale`), since ``x * s`` before the GEMM is what both mean;
+- comfy-kitchen's zero padding of N to a multiple of 16: stripped back to the model's N, refused if
+  the padded rows are not zeros (:func:`strip_padding`).
 """
 
 from __future__ import annotations
@@ -56,8 +58,44 @@ def unswizzle_scales(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tenso
     return full.reshape(row_tiles * tile_rows, col_tiles * tile_cols)[:rows, :cols].contiguous()
 
 
-def load_nvfp4_weight(layer: LayerSource, get: TensorGetter) -> Nvfp4Weight:
-    """The canonical NVFP4 weight of a ``requantize`` layer described by :mod:`.detect`."""
+def strip_padding(w: Nvfp4Weight, n: int, k: int) -> Nvfp4Weight:
+    """``w`` cut back to the model's ``(n, k)`` from comfy-kitchen's 16-row padding.
+
+    comfy-kitchen (``TensorCoreNVFP4Layout.get_padded_shape``) pads a weight with zeros to
+    ``(roundup(N, 16), roundup(K, 16))`` before quantizing, and stores the padded codes and scales.
+    The padded rows are dropped here after checking that they hold zeros (codes and block scales),
+    as the padding does; anything else is refused: the stored rows would not be the model's. A
+    padded K (not a multiple of 16) cannot be cut inside an NVFP4 block and is refused.
+    """
+    stored_n, stored_k = w.shape
+    if (stored_n, stored_k) == (n, k):
+        return w
+    if k % spec.NVFP4_BLOCK or stored_k != k or stored_n != spec.round_up(n, spec.NVFP4_BLOCK):
+        raise SourceError(
+            w.name,
+            f"stored shape {(stored_n, stored_k)} is not the model's {(n, k)} padded to multiples of "
+            f"{spec.NVFP4_BLOCK} rows",
+            "only row padding of K-aligned weights can be stripped; check the model or re-export it",
+        )
+    pad_codes, pad_scales = w.codes[n:], w.scales.view(torch.uint8)[n:]
+    if bool(pad_codes.any()) or bool(pad_scales.any()):
+        raise SourceError(
+            w.name,
+            f"padded rows {n}..{stored_n - 1} hold non-zero codes or block scales (the padding is zeros)",
+            "the stored rows are not the model's; check the model or re-export it",
+        )
+    scales = w.scales[:n].contiguous()
+    g = w.global_scale if w.global_scale.dim() == 0 else w.global_scale[:n].contiguous()
+    return Nvfp4Weight(w.codes[:n].contiguous(), scales, g, w.global_divides, w.name)
+
+
+def load_nvfp4_weight(
+    layer: LayerSource, get: TensorGetter, shape: tuple[int, int] | None = None
+) -> Nvfp4Weight:
+    """The canonical NVFP4 weight of a ``requantize`` layer described by :mod:`.detect`.
+
+    With ``shape``, the model's ``(N, K)`` of the layer: comfy-kitchen's zero row padding beyond it is
+    stripped (:func:`strip_padding`)."""
     if layer.action != "requantize" or layer.shape is None:
         raise ValueError(f"{layer.name}: action {layer.action!r} has no NVFP4 weight to load")
     n, k = layer.shape
@@ -71,11 +109,12 @@ def load_nvfp4_weight(layer: LayerSource, get: TensorGetter) -> Nvfp4Weight:
         scales = unswizzle_scales(scales, n, k // spec.NVFP4_BLOCK)
     g = get(layer.tensors["global_scale"]).to(torch.float32).reshape(())
     try:
-        return Nvfp4Weight(codes.contiguous(), scales.contiguous(), g, layer.global_divides, layer.name)
+        w = Nvfp4Weight(codes.contiguous(), scales.contiguous(), g, layer.global_divides, layer.name)
     except (TypeError, ValueError) as exc:
         raise SourceError(
             layer.name, str(exc), "the tensors do not match the header; the file is corrupt"
         ) from None
+    return w if shape is None else strip_padding(w, *shape)
 
 
 def load_mul_scale(layer: LayerSource, get: TensorGetter) -> torch.Tensor | None:
