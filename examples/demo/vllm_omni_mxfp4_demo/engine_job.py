@@ -7,7 +7,8 @@ builds ``Omni(model=..., dtype="bfloat16", **omni_kwargs)``, sends one request p
 that one engine, and writes into ``out``:
 
 - ``frames_<i>.npy``: request ``i``'s ``images[0]`` exactly as ``Omni.generate`` returns it
-  (float32 ``(1, F, H, W, 3)`` in ``[0, 1]`` for Wan2.2);
+  (float32 ``(1, F, H, W, 3)`` in ``[0, 1]`` for Wan2.2); a PIL image (text-to-image pipelines)
+  is saved as float32 ``(H, W, C)`` in ``[0, 1]`` (its 8-bit values / 255);
 - ``result.json``: ``load_s`` (engine construction), ``gen_s`` (one entry per request),
   ``platform`` (the qualified class of vLLM-Omni's current platform) and ``platform_description``,
   ``outputs`` (per request: seed, output count, ``final_output_type``, Python type, dtype, shape)
@@ -46,6 +47,7 @@ class Job:
     guidance_scale: float = 5.0
     boundary_ratio: float | None = None
     report: bool = False
+    image: str | None = None  # input image file of image-to-video pipelines (multi_modal_data)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Job:
@@ -93,16 +95,28 @@ def _generate(omni: Any, job: Job, seed: int) -> list[Any]:
         guidance_scale=job.guidance_scale,
         seed=seed,
     )
-    return omni.generate({"prompt": job.prompt, "negative_prompt": job.negative_prompt}, params)
+    prompt: dict[str, Any] = {"prompt": job.prompt, "negative_prompt": job.negative_prompt}
+    if job.image is not None:
+        prompt["multi_modal_data"] = {"image": job.image}
+    return omni.generate(prompt, params)
+
+
+def _as_array(image: Any) -> Any:
+    """``images[0]`` as an array: frames as returned, a PIL image as float32 in ``[0, 1]``."""
+    import numpy as np
+
+    if hasattr(image, "getbands"):  # PIL.Image.Image
+        return np.asarray(image, dtype=np.float32) / np.float32(255.0)
+    return np.asarray(image)
 
 
 def _describe(outputs: list[Any], seed: int) -> dict[str, Any]:
-    frames = outputs[0].images[0]
+    frames = _as_array(outputs[0].images[0])
     return {
         "seed": seed,
         "count": len(outputs),
         "final_output_type": outputs[0].final_output_type,
-        "python_type": type(frames).__name__,
+        "python_type": type(outputs[0].images[0]).__name__,
         "dtype": str(frames.dtype),
         "shape": list(frames.shape),
     }
@@ -140,7 +154,7 @@ def run_job(job: Job) -> dict[str, Any]:
             outputs = _generate(omni, job, seed)
             result["gen_s"].append(time.perf_counter() - start)
             result["outputs"].append(_describe(outputs, seed))
-            np.save(out / f"frames_{index}.npy", np.asarray(outputs[0].images[0]))
+            np.save(out / f"frames_{index}.npy", _as_array(outputs[0].images[0]))
         result.update(_platform())
     finally:
         omni.shutdown()
