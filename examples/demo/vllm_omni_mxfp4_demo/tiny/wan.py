@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .cache import cache_root, cached_build, content_key
+from .parts import bf16, seeded
 
 SEED = 0
 """Seed of every random weight; expert ``i`` (0-based) uses ``SEED + 1 + i``."""
@@ -178,31 +179,24 @@ def _content_key(experts: int) -> str:
     )
 
 
-def _build_into(out_dir: Path, experts: int) -> None:
-    """Build the pipeline with seeded random weights and ``save_pretrained`` it into ``out_dir``."""
+def _experts(count: int, config: dict[str, Any]) -> list[Any]:
+    """``count`` seeded diffusers Wan transformers (expert ``i`` seeded ``SEED + 1 + i``), stored in BF16."""
+    from diffusers import WanTransformer3DModel
+
+    return [seeded(SEED + 1 + i, lambda: bf16(WanTransformer3DModel(**config))) for i in range(count)]
+
+
+def _text_and_vae(vae_config: dict[str, Any]) -> dict[str, Any]:
+    """The pipeline's tokenizer, text encoder and VAE (seeded ``SEED``), as ``WanPipeline`` kwargs."""
     import torch
-    from diffusers import (
-        AutoencoderKLWan,
-        FlowMatchEulerDiscreteScheduler,
-        WanPipeline,
-        WanTransformer3DModel,
-    )
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
     with torch.random.fork_rng(devices=[]):
-        transformers_ = []
-        for index in range(experts):
-            torch.manual_seed(SEED + 1 + index)
-            expert = WanTransformer3DModel(**tiny_transformer_config()).eval()
-            # Store every tensor in BF16 like the released checkpoints. diffusers' own .to() warns
-            # that some modules should compute in FP32; that is a runtime concern of the loader.
-            torch.nn.Module.to(expert, torch.bfloat16)
-            transformers_.append(expert)
         torch.manual_seed(SEED)
-        vae = AutoencoderKLWan(**copy.deepcopy(VAE_CONFIG)).eval()
+        vae = AutoencoderKLWan(**copy.deepcopy(vae_config)).eval()
         text_encoder = UMT5EncoderModel(UMT5Config(**TEXT_ENCODER_CONFIG)).eval()
-
     word_level = Tokenizer(
         models.WordLevel(vocab={word: i for i, word in enumerate(VOCABULARY)}, unk_token="<unk>")
     )
@@ -214,11 +208,17 @@ def _build_into(out_dir: Path, experts: int) -> None:
         unk_token="<unk>",
         model_max_length=TOKENIZER_MAX_LENGTH,
     )
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
+    return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": scheduler}
+
+
+def _build_into(out_dir: Path, experts: int) -> None:
+    """Build the pipeline with seeded random weights and ``save_pretrained`` it into ``out_dir``."""
+    from diffusers import WanPipeline
+
+    transformers_ = _experts(experts, tiny_transformer_config())
     pipeline = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
+        **_text_and_vae(VAE_CONFIG),
         transformer=transformers_[0],
         transformer_2=transformers_[1] if experts == 2 else None,
         boundary_ratio=BOUNDARY_RATIO if experts == 2 else None,
@@ -239,3 +239,76 @@ def build_tiny_wan(experts: int = 2, *, cache_dir: str | Path | None = None) -> 
     final = cache_root("tiny_wan", cache_dir) / f"wan22_t2v_{experts}e_{_content_key(experts)}"
     # _build_into is looked up when the build runs (tests replace it).
     return cached_build(final, lambda staging: _build_into(staging, experts))
+
+
+I2V_BOUNDARY_RATIO = 0.9
+"""Wan2.2 I2V A14B's switch point from the high-noise to the low-noise expert."""
+
+TI2V_VAE_CONFIG: dict[str, Any] = {
+    **VAE_CONFIG,
+    "z_dim": 48,
+    "is_residual": True,
+    "in_channels": 12,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_spatial": 16,
+    "latents_mean": [0.0] * 48,
+    "latents_std": [1.0] * 48,
+}
+"""The Wan2.2 VAE of TI2V-5B, tiny: 48 latent channels, 2x2 pixel patches, 16x spatial compression."""
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "i2v": {
+        "pipeline": "WanImageToVideoPipeline",
+        "experts": 2,
+        # the latent (16) + the first-frame mask (4) + the encoded image (16), as I2V-A14B
+        "transformer": {"in_channels": 36},
+        "vae": VAE_CONFIG,
+        "index": {"boundary_ratio": I2V_BOUNDARY_RATIO},
+    },
+    "ti2v": {
+        "pipeline": "WanPipeline",
+        "experts": 1,
+        "transformer": {"in_channels": 48, "out_channels": 48},
+        "vae": TI2V_VAE_CONFIG,
+        "index": {"expand_timesteps": True},
+    },
+}
+"""The other Wan2.2 layouts: ``i2v`` is I2V-A14B (two experts, image latents concatenated to the
+noise, no CLIP image encoder), ``ti2v`` is TI2V-5B (one transformer, the 48-channel Wan2.2 VAE,
+``expand_timesteps``: per-token timesteps so a first frame can be given as a clean latent)."""
+
+
+def _build_variant_into(out_dir: Path, variant: str) -> None:
+    import diffusers
+
+    spec = VARIANTS[variant]
+    transformers_ = _experts(spec["experts"], tiny_transformer_config(**spec["transformer"]))
+    pipeline = getattr(diffusers, spec["pipeline"])(
+        **_text_and_vae(spec["vae"]),
+        transformer=transformers_[0],
+        transformer_2=transformers_[1] if spec["experts"] == 2 else None,
+        **spec["index"],
+    )
+    pipeline.save_pretrained(out_dir, safe_serialization=True)
+
+
+def build_tiny_wan_variant(variant: str, *, cache_dir: str | Path | None = None) -> Path:
+    """Return the directory of the tiny Wan2.2 ``variant`` pipeline (a key of :data:`VARIANTS`),
+    building it on first use; cached and written like :func:`build_tiny_wan`'s."""
+    if variant not in VARIANTS:
+        raise ValueError(
+            f"build_tiny_wan_variant: unknown variant {variant!r}; choose from {sorted(VARIANTS)}"
+        )
+    spec = {
+        "builder": _BUILDER_VERSION,
+        "variant": VARIANTS[variant],
+        "seed": SEED,
+        "transformer": TRANSFORMER_CONFIG,
+        "text_encoder": TEXT_ENCODER_CONFIG,
+        "scheduler": SCHEDULER_CONFIG,
+        "vocabulary": VOCABULARY,
+        "tokenizer_max_length": TOKENIZER_MAX_LENGTH,
+    }
+    final = cache_root("tiny_wan", cache_dir) / f"wan22_{variant}_{content_key(spec)}"
+    return cached_build(final, lambda staging: _build_variant_into(staging, variant))
