@@ -16,7 +16,9 @@ padding or scale rule either raises here or changes the numbers:
   packed dim is the contiguous one; shapes are checked against the logical (m, k) x (k, n);
   scales are E8M0 ``(m, ceil(k/64), 2)`` and ``(ceil(k/64), n, 2)``; FP4 x FP4 needs group sizes
   [1, 1, 32] and a float32 bias (n,); FP8 x FP4 (W4A8) needs a transposed x2, k % 8 == 0, group
-  sizes [0, 0, 32] or [1, 1, 32], and a bf16/fp16 bias (1, n) of the output dtype. Result:
+  sizes [0, 0, 32] or [1, 1, 32], and a bf16/fp16 bias (1, n) of the output dtype; FP8 x FP8 (MXFP8
+  W8A8: native float8_e4m3fn operands, ``x*_dtype`` absent or E4M3) needs group sizes [1, 1, 32], a
+  float32 bias (n,) and an fp16/bf16/fp32 output; FP4 x FP8 has no mode. Result:
   dequantized operands (E8M0 0 -> 2^-127, 0xFF -> NaN) multiplied in float32, plus bias, in
   ``output_dtype``.
 - ``npu_format_cast``: ND <-> FRACTAL_NZ (29). NZ needs a contiguous 2-D int8 ND tensor and
@@ -235,7 +237,10 @@ class FakeTorchNpu(types.ModuleType):
         x_codes, w_codes = _read_scales(pertoken_scale, scale, m, n, k, x2_t)
         w_deq = w_vals * e8m0_to_float(w_codes).repeat_interleave(MX_BLOCK_SIZE, dim=-1)[:, :k]
         x_deq = dequantize_mx(x1, x_codes, elem="fp4" if x1_fp4 else "fp8", dtype=torch.float32)
-        b = _mode_bias(x1_fp4, x2_t, k, n, group_sizes, output_dtype, bias)
+        if x2.dtype == torch.float8_e4m3fn:
+            b = _mxfp8_mode_bias(x1_fp4, n, group_sizes, output_dtype, bias)
+        else:
+            b = _mode_bias(x1_fp4, x2_t, k, n, group_sizes, output_dtype, bias)
         return F.linear(x_deq, w_deq, None if b is None else b.float()).to(output_dtype)
 
     def npu_dynamic_dual_level_mx_quant(
@@ -463,8 +468,10 @@ def _read_x1(x1: torch.Tensor, x1_dtype) -> tuple[bool, int, int]:
 
 
 def _read_x2(x2: torch.Tensor, x2_dtype, k: int) -> tuple[bool, int, torch.Tensor]:
-    """npu_quant_matmul's x2: (transposed, n, its E2M1 values (n, k))."""
+    """npu_quant_matmul's x2: (transposed, n, its E2M1 or E4M3 values (n, k))."""
     # x2: logical (k, n); a transpose(0, 1) view of contiguous (n, k) storage is "transposed".
+    if x2.dtype == torch.float8_e4m3fn:
+        return _read_fp8_x2(x2, x2_dtype, k)
     if x2.dim() != 2 or x2.dtype != torch.uint8 or x2_dtype != FLOAT4_E2M1:
         raise FakeNpuError(
             "npu_quant_matmul: x2 must be packed FP4 (uint8 with x2_dtype=float4_e2m1fn_x2), 2-D; got "
@@ -488,6 +495,39 @@ def _read_x2(x2: torch.Tensor, x2_dtype, k: int) -> tuple[bool, int, torch.Tenso
     if k <= 2 or k % 2:
         raise FakeNpuError(f"npu_quant_matmul: FP4 needs an even k > 2, got {k}")
     return x2_t, n, w_vals
+
+
+def _read_fp8_x2(x2: torch.Tensor, x2_dtype, k: int) -> tuple[bool, int, torch.Tensor]:
+    """A native float8_e4m3fn x2 (MXFP8): (transposed, n, its values (n, k)); NaN codes stay NaN."""
+    if x2.dim() != 2 or x2_dtype not in (None, torch.float8_e4m3fn, 292):
+        raise FakeNpuError(
+            f"npu_quant_matmul: float8_e4m3fn x2 must be 2-D with x2_dtype absent or E4M3, got "
+            f"{tuple(x2.shape)}, x2_dtype={x2_dtype}"
+        )
+    x2_t = x2.transpose(0, 1).is_contiguous() and not x2.is_contiguous()
+    if not (x2_t or x2.is_contiguous()):
+        raise FakeNpuError(
+            f"npu_quant_matmul: x2 strides {x2.stride()} are neither plain nor a transposed view"
+        )
+    values = x2.float()  # logical (k, n)
+    if values.shape[0] != k:
+        raise FakeNpuError(f"npu_quant_matmul: x1 has k={k} but x2 (k, n) has k={values.shape[0]}")
+    return x2_t, values.shape[1], values.transpose(0, 1)
+
+
+def _mxfp8_mode_bias(x1_fp4: bool, n: int, group_sizes, output_dtype, bias):
+    """npu_quant_matmul's MX FP8 x FP8 mode rules (W8A8); the bias (n,) or None."""
+    if x1_fp4:
+        raise FakeNpuError("npu_quant_matmul: FP4 x1 with FP8 x2 is no MX mode (x1 FP8 needs x2 FP8 or FP4)")
+    if list(group_sizes or []) != [1, 1, 32]:
+        raise FakeNpuError(f"npu_quant_matmul: MX FP8 x FP8 needs group_sizes [1, 1, 32], got {group_sizes}")
+    if output_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise FakeNpuError(f"npu_quant_matmul: output_dtype must be fp16/bf16/fp32, got {output_dtype}")
+    if bias is not None and (bias.dtype != torch.float32 or tuple(bias.shape) != (n,)):
+        raise FakeNpuError(
+            f"npu_quant_matmul: MX bias must be float32 (n,) = ({n},), got {bias.dtype} {tuple(bias.shape)}"
+        )
+    return bias
 
 
 def _read_scales(
