@@ -12,7 +12,9 @@ workers (every rank) through ``collective_rpc`` for a report of each transformer
 - its memory (:func:`transformer_memory`): the weights as the model holds them, and the working
   buffers an MXFP4 backend added;
 - one entry per vLLM Linear module: the method it runs with (``bf16`` when unquantized), and for
-  ``mxfp4`` / ``mxfp4_dualscale`` the backend, online or offline, activation scale rule and W4A8 route.
+  ``mxfp4`` / ``mxfp4_dualscale`` the backend, online or offline, activation scale rule and W4A8 route;
+- for an expert loaded from an NVFP4 checkpoint, the load report of every checkpoint layer
+  (:mod:`.nvfp4_loading`: requantized with its rule and error, dequantized to BF16, and why).
 
 Nothing here is estimated from configs: it is read from the live modules after loading.
 """
@@ -126,6 +128,8 @@ class TransformerReportExtension:
         import torch
         from vllm.model_executor.layers.linear import LinearBase
 
+        from .nvfp4_loading import PLAN_ATTR
+
         pipeline = self.model_runner.pipeline
         transformers = {}
         for name, module in pipeline.named_children():
@@ -138,6 +142,7 @@ class TransformerReportExtension:
                     for layer, sub in module.named_modules()
                     if isinstance(sub, LinearBase)
                 ],
+                "nvfp4": list(getattr(getattr(module, PLAN_ATTR, None), "records", [])),
             }
         local = {"rank": int(getattr(self, "rank", 0)), "transformers": transformers}
         world = _world_group()
@@ -168,6 +173,8 @@ class TransformerReport:
     backend_bytes: int
     linears: list[dict[str, Any]] = field(default_factory=list)
     ranks: int = 1
+    nvfp4: list[dict[str, Any]] = field(default_factory=list)
+    """An NVFP4 checkpoint's load report, one record per checkpoint layer (empty for other checkpoints)."""
 
     def methods(self) -> Counter:
         """Number of Linear modules per (method, backend, mode, A4 scale rule, precision)."""
@@ -187,7 +194,15 @@ class TransformerReport:
             prec = precision.upper() + (f" (W4A8 on steps {steps})" if steps and precision == "w4a4" else "")
             scale = {"floor": "OCP", "uos": "UOS"}.get(rule, rule)
             parts.append(f"{count} {method} {mode} {prec} [backend {backend}, A4 scale {scale}]")
-        return f"{len(self.linears)} Linears: " + "; ".join(parts)
+        text = f"{len(self.linears)} Linears: " + "; ".join(parts)
+        if self.nvfp4:
+            actions = Counter(r["action"] for r in self.nvfp4)
+            rules = sorted({r["rule"] for r in self.nvfp4 if "rule" in r})
+            text += (
+                f"; NVFP4 checkpoint: {actions['requantize']} layers requantized (rule {', '.join(rules)})"
+            )
+            text += f", {actions['dequantize']} dequantized to BF16"
+        return text
 
 
 def platform_description() -> str:
@@ -240,8 +255,9 @@ def transformer_reports(omni: Any, timeout: float = 120.0) -> list[TransformerRe
             report = reports.get(name)
             if report is None:
                 reports[name] = TransformerReport(
-                    name, info["weight_bytes"], info["kernel_bytes"], info["backend_bytes"], info["linears"]
-                )
+                    name, info["weight_bytes"], info["kernel_bytes"], info["backend_bytes"], info["linears"],
+                    nvfp4=info.get("nvfp4", []),
+                )  # fmt: skip
             else:
                 report.weight_bytes += info["weight_bytes"]
                 report.kernel_bytes += info["kernel_bytes"]
