@@ -7,8 +7,9 @@ builds ``Omni(model=..., dtype="bfloat16", **omni_kwargs)``, sends one request p
 that one engine, and writes into ``out``:
 
 - ``frames_<i>.npy``: request ``i``'s ``images[0]`` exactly as ``Omni.generate`` returns it
-  (float32 ``(1, F, H, W, 3)`` in ``[0, 1]`` for Wan2.2); a PIL image (text-to-image pipelines)
-  is saved as float32 ``(H, W, C)`` in ``[0, 1]`` (its 8-bit values / 255);
+  (float32 ``(1, F, H, W, 3)`` in ``[0, 1]`` for Wan2.2); pipelines that return PIL images (one
+  per image, or one per frame as HunyuanVideo-1.5 does) get all of ``images`` stacked as float32
+  ``(N, H, W, C)`` in ``[0, 1]`` (the 8-bit values / 255);
 - ``result.json``: ``load_s`` (engine construction), ``gen_s`` (one entry per request),
   ``platform`` (the qualified class of vLLM-Omni's current platform) and ``platform_description``,
   ``outputs`` (per request: seed, output count, ``final_output_type``, Python type, dtype, shape)
@@ -101,17 +102,18 @@ def _generate(omni: Any, job: Job, seed: int) -> list[Any]:
     return omni.generate(prompt, params)
 
 
-def _as_array(image: Any) -> Any:
-    """``images[0]`` as an array: frames as returned, a PIL image as float32 in ``[0, 1]``."""
+def _as_array(images: list[Any]) -> Any:
+    """An output's ``images`` as one array: ``images[0]`` when it is an array of frames; PIL images
+    (``getbands``) all stacked, as float32 in ``[0, 1]``."""
     import numpy as np
 
-    if hasattr(image, "getbands"):  # PIL.Image.Image
-        return np.asarray(image, dtype=np.float32) / np.float32(255.0)
-    return np.asarray(image)
+    if not hasattr(images[0], "getbands"):
+        return np.asarray(images[0])
+    return np.stack([np.asarray(image, dtype=np.float32) for image in images]) / np.float32(255.0)
 
 
 def _describe(outputs: list[Any], seed: int) -> dict[str, Any]:
-    frames = _as_array(outputs[0].images[0])
+    frames = _as_array(outputs[0].images)
     return {
         "seed": seed,
         "count": len(outputs),
@@ -154,7 +156,7 @@ def run_job(job: Job) -> dict[str, Any]:
             outputs = _generate(omni, job, seed)
             result["gen_s"].append(time.perf_counter() - start)
             result["outputs"].append(_describe(outputs, seed))
-            np.save(out / f"frames_{index}.npy", _as_array(outputs[0].images[0]))
+            np.save(out / f"frames_{index}.npy", _as_array(outputs[0].images))
         result.update(_platform())
     finally:
         omni.shutdown()
