@@ -56,6 +56,10 @@ def _demo_parser() -> argparse.ArgumentParser:
     return importlib.import_module("vllm_omni_mxfp4_demo.modes").build_parser()
 
 
+def _models_parser() -> argparse.ArgumentParser:
+    return importlib.import_module("vllm_omni_mxfp4_demo.models").build_parser()
+
+
 PROGRAMS: tuple[Program, ...] = (
     Program(
         "vllm-omni-mxfp4",
@@ -73,6 +77,11 @@ PROGRAMS: tuple[Program, ...] = (
         _demo_parser,
         "The demo's own package (`pip install -e examples/demo`). `scripts/demo.sh` builds the environment "
         "on first use and passes its arguments to this program.",
+    ),
+    Program(
+        "python -m vllm_omni_mxfp4_demo.models",
+        _models_parser,
+        "The end-to-end runs of every model family ([e2e_models.md](e2e_models.md)), in the demo's package.",
     ),
 )
 
