@@ -88,22 +88,24 @@ class MethodConfig:
                 f"{self.serialized_key()}: true (vllm-omni-mxfp4 merge writes both keys); otherwise remove "
                 "mxfp8_layers (list those layers in ignored_layers to keep them in BF16)."
             )
-        conflicts = (
-            (
-                "ignored_layers",
-                "which stores them in BF16: a layer has one storage format. Fix the "
-                "checkpoint's quantization_config (vllm-omni-mxfp4 merge writes both lists)",
-            ),
-            (
-                "w4a8_fallback_layers",
-                "but W4A8 fallback does not apply to MXFP8 layers (their weights are "
-                "8-bit; they run W8A8). Remove them from w4a8_fallback_layers",
-            ),
-        )
-        for other, why in conflicts:
-            both = sorted(set(listed) & set(getattr(self, other, ())), key=layer_order)
-            if both:
-                raise ValueError(f"{both} are listed in mxfp8_layers and in {other}, {why}.")
+        both = self._also_in_mxfp8_layers("ignored_layers")
+        if both:
+            raise ValueError(
+                f"{both} are listed in mxfp8_layers and in ignored_layers, which stores them in BF16: a layer "
+                "has one storage format. Fix the checkpoint's quantization_config (vllm-omni-mxfp4 merge writes "
+                "both lists)."
+            )
+        both = self._also_in_mxfp8_layers("w4a8_fallback_layers")
+        if both:
+            raise ValueError(
+                f"{both} are listed in mxfp8_layers and in w4a8_fallback_layers, but W4A8 fallback does not "
+                "apply to MXFP8 layers (their weights are 8-bit; they run W8A8). Remove them from "
+                "w4a8_fallback_layers."
+            )
+
+    def _also_in_mxfp8_layers(self, key: str) -> list[str]:
+        """The entries of layer list ``key`` that ``mxfp8_layers`` lists too, in block order."""
+        return sorted(set(self.mxfp8_layers) & set(getattr(self, key, ())), key=layer_order)
 
     def _check_combination(self) -> None:
         """Rules that involve several keys; none by default."""
