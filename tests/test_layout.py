@@ -224,6 +224,14 @@ IMPORT_RULES = (
         why="the offline convert runs without the serving engine: formats' numerics, sources' layouts, "
         "checkpoint's writer and staging",
     ),
+    *(
+        ImportRule(
+            f"{P}.inspection.{module}",
+            ("torch", "vllm", "vllm_omni"),
+            why="inspect: only inspection/model.py builds the model (torch, vLLM); the rest reads headers",
+        )
+        for module in ("checks", "components", "records", "report")
+    ),
 )
 
 

@@ -355,10 +355,63 @@ def _add_convert_command(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_convert)
 
 
+INSPECT_DESCRIPTION = """\
+Validate a checkpoint before deployment without starting the engine (no accelerator, bounded
+memory). PATH is a diffusers pipeline (model_index.json) or one component directory (config.json).
+For each transformer component: the quantization method auto-detection picks from its config.json,
+then one row per runtime Linear of vLLM-Omni's model class (built on the meta device from the
+component's config; each checkpoint tensor traced through the model's own loader): format,
+precision (BF16, W4A4, W4A8, MXFP8), Smooth, the checkpoint tensors with their dtypes and shapes,
+and every inconsistency: missing tensors, wrong dtypes or shapes, scales out of range, a quantized
+layer listed in ignored_layers, a BF16 Linear without a BF16 weight, layer names that match no
+Linear. Reads safetensors headers and the small tensors only (scales, Smooth vectors, biases).
+Merged msModelSlim checkpoints, NVFP4 exports and converted checkpoints; for a plain BF16 model
+the rows show what online --quantization mxfp4 would quantize.
+
+Exit status: 0 no problem found, 2 problems found, 1 I/O error (a missing or unreadable path)."""
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Run ``inspect``; prints the table (or JSON) and returns 0, 2 (problems) or 1 (I/O error)."""
+    import contextlib
+
+    from .inspection import format_table, inspect_path
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; the report owns it
+            report = inspect_path(args.path, args.component)
+    except OSError as exc:
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(exc)}))
+        else:
+            print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_table(report))
+    return 0 if report.ok else 2
+
+
+def _add_inspect_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="Validate a checkpoint before deployment: method, and each runtime Linear's precision and tensors.",
+        description=INSPECT_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("path", metavar="PATH", help="Pipeline directory, or one transformer directory.")
+    parser.add_argument(
+        "--component", metavar="NAME", help="Inspect only this component (e.g. transformer_2)."
+    )
+    parser.add_argument("--json", action="store_true", help="Print a machine-readable JSON report instead.")
+    parser.set_defaults(func=run_inspect)
+
+
 #: One small function per subcommand; each adds its sub-parser and sets ``func``.
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_merge_command,
     _add_convert_command,
+    _add_inspect_command,
 )
 
 

@@ -1,0 +1,315 @@
+"""``vllm-omni-mxfp4 inspect``: valid checkpoints described layer by layer, bad ones refused by name.
+
+Checkpoints: the tiny two-block Wan2.2 model (BF16), offline ``mxfp4`` (Smooth on Q/K/V and
+``ffn.net.2``) and ``mxfp4_dualscale`` checkpoints written from it with the formats core
+(``tests/support/layers.py``), and the ModelOpt NVFP4 exports kept as fixtures in
+``tests/nvfp4/fixtures``. Every bad checkpoint is built from a valid one by one edit, and each test
+asserts that the problem names the layer and the tensor. Expected shapes come from the tiny model's
+config (inner dim 512, FFN 1024), the plain ``nn.Linear`` list from the model table, which
+``tests/models`` measures on a real build.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.layers import checkpoint_variant, offline_dirs, tiny_dir
+from tests.support.models import table_tool
+from vllm_omni_mxfp4.cli import main
+from vllm_omni_mxfp4.inspection import format_table, inspect_path
+
+__all__ = ["offline_dirs", "tiny_dir"]  # module fixtures
+
+pytestmark = pytest.mark.omni
+
+FIXTURES = Path(__file__).resolve().parents[1] / "nvfp4" / "fixtures" / "modelopt"
+QKV = "blocks.0.attn1.to_qkv"
+
+
+def rows(component) -> dict:
+    return {row.name: row for row in component.layers}
+
+
+def only(report):
+    (component,) = report.components
+    return component
+
+
+def assert_problem(report, layer: str, *fragments: str) -> None:
+    """Exactly one problem names ``layer`` and contains every fragment (regular expressions)."""
+    assert not report.ok
+    found = [p for p in report.problems if re.search(rf"(^|: ){re.escape(layer)}(: |\.)", p)]
+    assert found, f"no problem names {layer}: {report.problems}"
+    for fragment in fragments:
+        assert any(re.search(fragment, p) for p in found), f"{fragment!r} not in {found}"
+
+
+# ------------------------------------------------------------------------------ valid checkpoints
+
+
+def test_offline_mxfp4_checkpoint_is_described_per_runtime_linear(offline_dirs):
+    report = inspect_path(offline_dirs["mxfp4"])
+    assert report.ok, report.problems
+    component = only(report)
+    assert (component.name, component.class_name) == ("transformer", "WanTransformer3DModel")
+    assert (component.method, component.mode) == ("mxfp4", "offline")
+    assert component.facts["is_checkpoint_mxfp4_serialized"] is True
+    by_name = rows(component)
+    qkv = by_name[QKV]
+    assert (qkv.method, qkv.precision, qkv.smooth, qkv.shape) == ("mxfp4", "w4a4", True, (1536, 512))
+    assert qkv.sources == [f"blocks.0.attn1.to_{p}" for p in "qkv"]
+    pieces = {(t.name, t.dtype, t.shape, t.piece) for t in qkv.tensors if t.role == "weight"}
+    assert pieces == {(f"blocks.0.attn1.to_{p}.weight", "U8", (512, 256), i) for i, p in enumerate("qkv")}
+    ffn = by_name["blocks.1.ffn.net_2"]
+    assert (ffn.smooth, ffn.shape, ffn.sources) == (True, (512, 1024), ["blocks.1.ffn.net.2"])
+    assert {t.role: (t.dtype, t.shape) for t in ffn.tensors} == {
+        "weight": ("U8", (512, 512)),
+        "weight_scale": ("U8", (512, 32)),
+        "mul_scale": ("F32", (1024,)),
+        "bias": ("BF16", (512,)),
+    }
+    assert by_name["blocks.0.attn1.to_out"].smooth is False
+    plain = sorted(name for name, row in by_name.items() if row.kind == "plain")
+    assert plain == table_tool().MEASURED["wan2_2.WanTransformer3DModel"]["plain"]
+    assert all(by_name[name].method == "bf16" for name in plain)
+    assert sum(row.method == "mxfp4" for row in component.layers) == 16
+
+
+def test_offline_dualscale_checkpoint(offline_dirs):
+    report = inspect_path(offline_dirs["mxfp4_dualscale"])
+    assert report.ok, report.problems
+    ffn = rows(only(report))["blocks.1.ffn.net_2"]
+    assert (ffn.method, ffn.precision, ffn.smooth) == ("mxfp4_dualscale", "w4a4", True)
+    roles = {t.role: (t.dtype, t.shape) for t in ffn.tensors}
+    assert roles["weight_dual_scale"] == ("F32", (512, 2, 1))
+
+
+def test_bf16_model_lists_what_online_quantization_would_quantize(tiny_dir):
+    report = inspect_path(tiny_dir, component="transformer_2")
+    assert report.ok, report.problems
+    component = only(report)
+    assert component.method is None and "no quantization_config" in component.source
+    assert any("what online --quantization mxfp4 would quantize" in note for note in component.notes)
+    quantized = sorted(row.name for row in component.layers if row.method == "mxfp4")
+    assert len(quantized) == table_tool().MEASURED["wan2_2.WanTransformer3DModel"]["quantized"]
+    assert QKV in quantized and "proj_out" not in quantized
+    weight = [t for t in rows(component)[QKV].tensors if t.role == "weight"]
+    assert {(t.dtype, t.shape) for t in weight} == {("BF16", (512, 512))} and len(weight) == 3
+
+
+@pytest.mark.parametrize(
+    "fixture, layer, method, precision, reason",
+    [
+        ("nvfp4", "blocks.0.ffn.net_2", "mxfp4", "w4a4", "requantized to MXFP4"),
+        ("w4a16", "blocks.0.ffn.net_2", "mxfp4", "w4a8", "W4A16_NVFP4"),
+        ("mixed", "blocks.0.ffn.net_2", "bf16", "bf16", "FP8"),
+    ],
+)
+def test_nvfp4_exports_are_detected_and_described(fixture, layer, method, precision, reason):
+    report = inspect_path(FIXTURES / fixture)
+    assert report.ok, report.problems
+    component = only(report)
+    assert component.source.startswith("NVFP4 checkpoint by modelopt")
+    row = rows(component)[layer]
+    assert (row.method, row.precision) == (method, precision)
+    assert reason in row.reason
+    assert rows(component)["proj_out"].method == "bf16"
+
+
+def test_a_layer_kept_bf16_and_listed_in_ignored_layers_is_valid(offline_dirs, tiny_dir, tmp_path):
+    model = _bf16_layer(offline_dirs["mxfp4"], tiny_dir, tmp_path / "bf16_layer")
+    report = inspect_path(model)
+    assert report.ok, report.problems
+    row = rows(only(report))["blocks.0.attn2.to_k"]
+    assert (row.method, row.reason) == ("bf16", "listed in ignored_layers")
+
+
+def _bf16_layer(src: Path, tiny: Path, dst: Path) -> Path:
+    """``src`` with ``blocks.0.attn2.to_k`` taken back from the BF16 original and listed in
+    ``ignored_layers``: a valid checkpoint with a BF16 entry."""
+    from safetensors.torch import load_file
+
+    original = load_file(str(tiny / "transformer" / "diffusion_pytorch_model.safetensors"))
+
+    def tensors(data):
+        for leaf in ("weight_scale", "mul_scale"):
+            data.pop(f"blocks.0.attn2.to_k.{leaf}", None)
+        data["blocks.0.attn2.to_k.weight"] = original["blocks.0.attn2.to_k.weight"]
+
+    def config(data):
+        data["quantization_config"]["ignored_layers"] = ["blocks.0.attn2.to_k"]
+
+    return checkpoint_variant(src, dst, config=config, tensors=tensors)
+
+
+# ------------------------------------------------------------------------------ bad checkpoints
+
+
+def _set(name, index, value):
+    def edit(data):
+        data[name] = data[name].clone()
+        data[name][index] = value
+
+    return edit
+
+
+def _drop(name):
+    def edit(data):
+        del data[name]
+
+    return edit
+
+
+def _retype(name, dtype):
+    def edit(data):
+        data[name] = data[name].to(dtype)
+
+    return edit
+
+
+def test_scale_code_0xff_is_named(offline_dirs, tmp_path):
+    bad = checkpoint_variant(
+        offline_dirs["mxfp4"], tmp_path / "m", tensors=_set("blocks.0.attn1.to_k.weight_scale", (2, 1), 0xFF)
+    )
+    report = inspect_path(bad)
+    assert_problem(
+        report, QKV, r"blocks\.0\.attn1\.to_k\.weight_scale: holds 0xFF at \[2, 1\]", r"E8M0 codes <= 253"
+    )
+    assert len(report.problems) == 1
+
+
+def test_missing_weight_scale_is_named(offline_dirs, tmp_path):
+    bad = checkpoint_variant(
+        offline_dirs["mxfp4"], tmp_path / "m", tensors=_drop("blocks.1.ffn.net.2.weight_scale")
+    )
+    report = inspect_path(bad)
+    assert_problem(
+        report,
+        "blocks.1.ffn.net_2",
+        r"blocks\.1\.ffn\.net\.2\.weight_scale: missing",
+        r"U8 \(N, ceil\(K/32\)\)",
+    )
+    assert len(report.problems) == 1
+
+
+def test_wrong_dtype_is_named(offline_dirs, tmp_path):
+    name = "blocks.1.attn2.to_v.weight_dual_scale"
+    bad = checkpoint_variant(
+        offline_dirs["mxfp4_dualscale"], tmp_path / "m", tensors=_retype(name, torch.float16)
+    )
+    assert_problem(inspect_path(bad), "blocks.1.attn2.to_v", rf"{re.escape(name)}: dtype F16", "F32")
+
+
+def test_dual_scale_nan_is_named(offline_dirs, tmp_path):
+    name = "blocks.0.ffn.net.0.proj.weight_dual_scale"
+    bad = checkpoint_variant(
+        offline_dirs["mxfp4_dualscale"], tmp_path / "m", tensors=_set(name, (7, 0, 0), float("nan"))
+    )
+    assert_problem(
+        inspect_path(bad), "blocks.0.ffn.net_0.proj", rf"{re.escape(name)}: holds nan at \[7, 0, 0\]"
+    )
+
+
+def test_quantized_layer_listed_as_ignored_is_named(offline_dirs, tmp_path):
+    def config(data):
+        data["quantization_config"]["ignored_layers"] = ["blocks.1.attn2.to_out"]
+
+    bad = checkpoint_variant(offline_dirs["mxfp4"], tmp_path / "m", config=config)
+    assert_problem(
+        inspect_path(bad),
+        "blocks.1.attn2.to_out",
+        r"blocks\.1\.attn2\.to_out\.0\.weight: U8 \[512, 256\], a packed quantized weight",
+        "a quantized layer listed as ignored: remove it from ignored_layers",
+    )
+
+
+def test_bf16_entry_without_a_bf16_weight_is_named(offline_dirs, tiny_dir, tmp_path):
+    valid = _bf16_layer(offline_dirs["mxfp4"], tiny_dir, tmp_path / "valid")
+    bad = checkpoint_variant(valid, tmp_path / "bad", tensors=_drop("blocks.0.attn2.to_k.weight"))
+    assert_problem(
+        inspect_path(bad),
+        "blocks.0.attn2.to_k",
+        r"blocks\.0\.attn2\.to_k\.weight: missing; this Linear loads a BF16 weight of shape \[512, 512\]",
+    )
+
+
+def test_ignored_layers_entry_that_names_no_linear(offline_dirs, tmp_path):
+    def config(data):
+        data["quantization_config"]["ignored_layers"] = ["blocks.7.attn2.to_q"]  # 2 blocks
+
+    bad = checkpoint_variant(offline_dirs["mxfp4"], tmp_path / "m", config=config)
+    report = inspect_path(bad)
+    assert any(
+        re.search(
+            r"config\.json quantization_config: ignored_layers entry 'blocks\.7\.attn2\.to_q' matches no Linear",
+            p,
+        )
+        for p in report.problems
+    ), report.problems
+
+
+def test_fused_pieces_with_different_smooth_vectors(offline_dirs, tmp_path):
+    bad = checkpoint_variant(
+        offline_dirs["mxfp4"], tmp_path / "m", tensors=_set("blocks.1.attn1.to_v.mul_scale", 3, 2.0)
+    )
+    assert_problem(
+        inspect_path(bad), "blocks.1.attn1.to_qkv", r"blocks\.1\.attn1\.to_v\.mul_scale: differs from"
+    )
+
+
+# ------------------------------------------------------------------------------ the CLI
+
+
+def test_cli_json_is_the_whole_stdout_and_matches_the_table(offline_dirs):
+    """The real command: stdout is the JSON report alone (vLLM's logs go to stderr), exit 0."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_omni_mxfp4.cli",
+            "inspect",
+            str(offline_dirs["mxfp4_dualscale"]),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(done.stdout)
+    assert data["ok"] and data["problems"] == []
+    (component,) = data["components"]
+    table = format_table(inspect_path(offline_dirs["mxfp4_dualscale"]))
+    for linear in component["linears"]:
+        line = next(line for line in table.splitlines() if line.split()[:1] == [linear["name"]])
+        size = f"{linear['shape'][0]}x{linear['shape'][1]}"
+        assert line.split()[1:4] == [size, linear["method"], linear["precision"].upper()]
+    assert component["summary"] in table
+
+
+def test_cli_exit_statuses(offline_dirs, tmp_path, capfd):
+    bad = checkpoint_variant(
+        offline_dirs["mxfp4_dualscale"], tmp_path / "m", tensors=_drop("blocks.0.attn2.to_q.mul_scale")
+    )
+    assert main(["inspect", str(bad)]) == 2
+    out = capfd.readouterr().out
+    assert "problem: blocks.0.attn2.to_q: blocks.0.attn2.to_q.mul_scale: missing" in out
+    assert out.rstrip().splitlines()[-1].endswith("1 component(s) inspected, 1 problem")
+
+    assert main(["inspect", str(tmp_path / "nowhere")]) == 1
+    assert "nowhere: not a directory" in capfd.readouterr().err
+
+
+def test_component_option(offline_dirs, tmp_path):
+    pipeline = tmp_path / "p"
+    shutil.copytree(offline_dirs["mxfp4"], pipeline)
+    with pytest.raises(FileNotFoundError, match="no component 'transformer_2'; found transformer"):
+        inspect_path(pipeline, component="transformer_2")
