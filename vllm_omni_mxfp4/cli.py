@@ -52,7 +52,7 @@ def parse_size(text: str) -> int:
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``merge`` (shared with tools/merge_mxfp4_dualscale_checkpoint.py)."""
-    from .checkpoint import AUTO, MODEL_TYPES, NON_BLOCK_POLICIES, WEIGHT_LAYOUTS
+    from .checkpoint import AUTO, MODEL_TYPES, MXFP8_POLICIES, NON_BLOCK_POLICIES, WEIGHT_LAYOUTS
 
     parser.add_argument(
         "--model-type",
@@ -90,6 +90,14 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
         help="What to do with quantized Linears outside the transformer blocks (embedders, proj_out), which "
         "vLLM-Omni always runs in BF16: 'error' (default) or take them from the 'original' BF16 weights.",
     )
+    parser.add_argument(
+        "--mxfp8-layers",
+        choices=MXFP8_POLICIES,
+        default="keep",
+        help="Linears the export stores as W8A8 MXFP8 (msModelSlim's Wan2.2 recipes: blocks 0-4): 'keep' "
+        "(default) writes them as they are and lists them in mxfp8_layers; 'bf16' takes them from the "
+        "original BF16 weights and lists them in ignored_layers (for backends without MXFP8, e.g. ROCm).",
+    )
     parser.add_argument("--dry-run", action="store_true", help="Validate and report; write nothing.")
     parser.add_argument("--overwrite", action="store_true", help="Replace an existing output directory.")
     parser.add_argument("--json", action="store_true", help="Print a machine-readable JSON report instead.")
@@ -121,6 +129,14 @@ def format_merge_summary(report) -> str:
             f"  {t.name:<{width}} <- {source}: {t.quant_method}, {t.layers_quantized} layers quantized, "
             f"{t.layers_bf16} kept BF16 ({len(t.ignored_layers)} ignored_layers){smooth}{require}; "
             f"{_human(t.bytes_in)} in, {_human(t.bytes_out)} out, {t.seconds:.2f} s"
+        )
+        if t.mxfp8_layers or t.mxfp8_to_bf16:
+            lines.append(
+                f"    W8A8 MXFP8: {len(t.mxfp8_layers)} layers kept (mxfp8_layers), "
+                f"{len(t.mxfp8_to_bf16)} taken from the BF16 original"
+            )
+        lines.extend(
+            f"    attention {a}: FA3 {d} in the export, runs BF16" for a, d in t.fa3_attention.items()
         )
         lines.extend(f"    warning: {w}" for w in t.warnings)
     lines.append(
@@ -231,6 +247,7 @@ def run_merge(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
             overwrite=args.overwrite,
             non_block_quantized=args.non_block_quantized,
+            mxfp8_layers=args.mxfp8_layers,
         )
 
     return run_guarded(args, work, format_merge_summary)

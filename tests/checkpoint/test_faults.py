@@ -38,7 +38,7 @@ def test_missing_expert_directory(expert_copy, tmp_path):
     assert_refused(expert_copy, tmp_path, r"quantized export directory .*low_noise_model does not exist")
 
 
-@pytest.mark.parametrize("label", ["W8A8_MXFP8", "W4A4_MXFP4_SVD", "W4A8_MXFP", "BF16"])
+@pytest.mark.parametrize("label", ["W8A8_DYNAMIC", "W4A4_MXFP4_SVD", "W4A8_MXFP", "BF16"])
 def test_unknown_description_label(expert_copy, tmp_path, label):
     message = rf"tensor '{OPROJ}.weight_scale' has unsupported description label '{label}'"
     assert_refused(expert_copy, tmp_path, message, relabel(f"{OPROJ}.weight_scale", label))
@@ -356,13 +356,13 @@ def test_output_path_rules(expert_copy, tmp_path):
 
 def test_cli_reports_validation_errors_in_one_line(expert_copy, tmp_path, capsys):
     original, quant = expert_copy
-    edit(quant / "high_noise_model", relabel(f"{OPROJ}.weight_scale", "W8A8_MXFP8"))
+    edit(quant / "high_noise_model", relabel(f"{OPROJ}.weight_scale", "W8A8_DYNAMIC"))
     argv = ["merge", "--model-type", "Wan2.2-T2V-A14B", "--original-model", str(original)]
     argv += ["--quant-path", str(quant), "--output-path", str(tmp_path / "out")]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
-    assert f"'{OPROJ}.weight_scale' has unsupported description label 'W8A8_MXFP8'" in err
+    assert f"'{OPROJ}.weight_scale' has unsupported description label 'W8A8_DYNAMIC'" in err
     assert not (tmp_path / "out").exists()
 
 

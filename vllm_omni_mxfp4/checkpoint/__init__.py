@@ -12,11 +12,12 @@ from .names import (
     strip_smooth_wrapper,
     wan_to_diffusers,
 )
-from .plan import NON_BLOCK_POLICIES, WEIGHT_LAYOUTS, TransformerReport, plan_transformer
+from .plan import MXFP8_POLICIES, NON_BLOCK_POLICIES, WEIGHT_LAYOUTS, TransformerReport, plan_transformer
 
 __all__ = [
     "AUTO",
     "MODEL_TYPES",
+    "MXFP8_POLICIES",
     "NON_BLOCK_POLICIES",
     "WEIGHT_LAYOUTS",
     "CheckpointError",

@@ -11,8 +11,13 @@ msModelSlim 26.1 writes one directory per transformer (per expert for the two-ex
   (the shards keep the generic prefix).
 
 The description maps every saved tensor to a label: ``FLOAT`` or the quantization type of its layer.
-Only ``FLOAT``, ``W4A4_MXFP4`` and ``W4A4_MXFP4_DUALSCALE`` are accepted; one export holds one of the
-two MXFP4 types.
+Only ``FLOAT``, ``W4A4_MXFP4``, ``W4A4_MXFP4_DUALSCALE`` and ``W8A8_MXFP8`` are accepted; one export
+holds at most one of the two MXFP4 types (the merged checkpoint's method), and msModelSlim's shipped
+Wan2.2 recipes add W8A8 MXFP8 layers (blocks 0-4) next to single-scale MXFP4 ones.
+
+Entries without a tensor: ``<attention>.quant_type`` records the FA3 (attention quantization) dtype
+of one attention, with dynamic scales (nothing stored); a top-level ``fa_quant_type`` is written only
+for FA3 ``per_head`` scales, which are stored tensors a BF16 attention cannot use, so it is refused.
 """
 
 from __future__ import annotations
@@ -30,9 +35,20 @@ from .safetensors_io import TensorRef, open_archive
 logger = logging.getLogger(__name__)
 
 FLOAT_LABEL = "FLOAT"
+MXFP8_LABEL = "W8A8_MXFP8"
 #: msModelSlim label -> vLLM-Omni ``quant_method``.
 QUANT_LABELS: dict[str, str] = {"W4A4_MXFP4": "mxfp4", "W4A4_MXFP4_DUALSCALE": "mxfp4_dualscale"}
-SUPPORTED_LABELS = (FLOAT_LABEL, *QUANT_LABELS)
+#: msModelSlim label -> the format of :mod:`vllm_omni_mxfp4.spec` its Linears are stored in.
+LAYER_FORMATS: dict[str, str] = {**QUANT_LABELS, MXFP8_LABEL: "mxfp8"}
+SUPPORTED_LABELS = (FLOAT_LABEL, *LAYER_FORMATS)
+#: The method of an export whose only quantized label is W8A8 MXFP8 (the recipes' method is ``mxfp4``).
+MXFP8_ONLY_METHOD = "mxfp4"
+#: The recipe element that writes each supported label, for the message refusing any other label.
+_LABEL_SOURCES = (
+    "a recipe step 'linear_quant' writes the label of its qconfig; supported: weight and act dtype "
+    "mxfp4 scope per_block (W4A4_MXFP4), mxfp4 dual_scale (W4A4_MXFP4_DUALSCALE), mxfp8 per_block "
+    "(W8A8_MXFP8); change that step's qconfig (or exclude its layers) and re-export"
+)
 
 _METADATA_KEYS = frozenset(
     {"version", "model_quant_type", "metadata", "group_size", "optional", "fa_quant_type"}
@@ -54,7 +70,8 @@ class QuantExport:
     quant_method: str
     labels: dict[str, str]
     tensors: dict[str, TensorRef]
-    fa_markers: list[str] = field(default_factory=list)
+    #: FA3 attention-quantization records: attention module (export name) -> dtype (``MXFP4_DYNAMIC``).
+    fa_markers: dict[str, str] = field(default_factory=dict)
 
     @property
     def files(self) -> list[Path]:
@@ -90,11 +107,20 @@ def _find_weights(directory: Path) -> tuple[list[Path], Path | None]:
     return files, (indexes[0] if indexes else None)
 
 
-def _check_metadata(description: Path, metadata: dict[str, object], label: str) -> None:
+def _check_metadata(description: Path, metadata: dict[str, object], used: list[str]) -> None:
+    """``model_quant_type`` is one of the labels used: msModelSlim's ``mindie_format`` saver writes
+    the last quantized Linear's label, ``ascendv1`` the highest-priority one, so in a mixed
+    W8A8 MXFP8 / W4A4 MXFP4 export it names either."""
     mqt = metadata.get("model_quant_type")
-    if mqt is not None and mqt != label:
+    if mqt is not None and mqt not in used:
         raise CheckpointError(
-            f"{description}: model_quant_type {mqt!r} disagrees with the tensor labels ({label})"
+            f"{description}: model_quant_type {mqt!r} disagrees with the tensor labels ({', '.join(used)})"
+        )
+    if "fa_quant_type" in metadata:
+        raise CheckpointError(
+            f"{description}: fa_quant_type {metadata['fa_quant_type']!r} records FA3 per_head attention "
+            "scales (written by a recipe step 'fa3_quant' with qconfig scope per_head); vLLM-Omni runs "
+            "attention in BF16 and cannot use them: use scope per_token or per_block, or drop that step"
         )
     group_size = metadata.get("group_size")
     if group_size is not None and group_size != spec.MX_BLOCK:
@@ -119,7 +145,7 @@ class _Description:
 
     labels: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, object] = field(default_factory=dict)
-    fa_markers: list[str] = field(default_factory=list)
+    fa_markers: dict[str, str] = field(default_factory=dict)
 
 
 def _read_description(description: Path) -> _Description:
@@ -133,7 +159,7 @@ def _read_description(description: Path) -> _Description:
         if key in _METADATA_KEYS:
             found.metadata[key] = value
         elif key.endswith(_FA_MARKER_SUFFIX):
-            found.fa_markers.append(key)
+            found.fa_markers[key[: -len(_FA_MARKER_SUFFIX)]] = str(value)
         elif isinstance(value, str):
             found.labels[key] = value
         else:
@@ -155,22 +181,25 @@ def _check_labelled_tensors(description: Path, labels: dict[str, str], tensors: 
         if label not in SUPPORTED_LABELS:
             raise CheckpointError(
                 f"{description}: tensor {name!r} has unsupported description label {label!r}; "
-                f"supported labels: {', '.join(SUPPORTED_LABELS)}"
+                f"supported labels: {', '.join(SUPPORTED_LABELS)} ({_LABEL_SOURCES})"
             )
 
 
-def _quantization_label(description: Path, labels: dict[str, str]) -> str:
-    """The one MXFP4 label of the export."""
+def _quantization_labels(description: Path, labels: dict[str, str]) -> tuple[str, list[str]]:
+    """The export's method label (its one MXFP4 label; ``W4A4_MXFP4`` when only W8A8 MXFP8 is used)
+    and every quantized label it uses."""
     used = sorted({label for label in labels.values() if label != FLOAT_LABEL})
     if not used:
         raise CheckpointError(
             f"{description}: no tensor is quantized (every label is FLOAT); nothing to merge"
         )
-    if len(used) > 1:
+    mxfp4 = [label for label in used if label in QUANT_LABELS]
+    if len(mxfp4) > 1:
         raise CheckpointError(
-            f"{description}: mixes {' and '.join(used)}; a transformer must use one MXFP4 format"
+            f"{description}: mixes {' and '.join(mxfp4)}; a transformer must use one MXFP4 format"
         )
-    return used[0]
+    method_label = mxfp4[0] if mxfp4 else next(k for k, v in QUANT_LABELS.items() if v == MXFP8_ONLY_METHOD)
+    return method_label, used
 
 
 def read_export(directory: Path) -> QuantExport:
@@ -182,14 +211,8 @@ def read_export(directory: Path) -> QuantExport:
     files, index = _find_weights(directory)
     tensors = open_archive(files, index)
     _check_labelled_tensors(description, found.labels, tensors)
-    label = _quantization_label(description, found.labels)
-    _check_metadata(description, found.metadata, label)
-    if found.fa_markers or "fa_quant_type" in found.metadata:
-        logger.warning(
-            "%s: %d attention (FA3) quantization marker(s) ignored; vLLM-Omni runs attention in BF16",
-            description,
-            len(found.fa_markers),
-        )
+    label, used = _quantization_labels(description, found.labels)
+    _check_metadata(description, found.metadata, used)
     saver = "ascendv1" if "version" in found.metadata else "mindie_format"
     return QuantExport(
         directory, description, saver, label, QUANT_LABELS[label], found.labels, tensors, found.fa_markers

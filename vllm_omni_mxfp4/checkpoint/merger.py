@@ -28,6 +28,7 @@ from . import staging
 from .errors import CheckpointError, read_json_object, require_regular_file
 from .plan import (
     DESCRIPTION_NAME,
+    MXFP8_POLICIES,
     NON_BLOCK_POLICIES,
     WEIGHT_LAYOUTS,
     WEIGHTS_BASENAME,
@@ -201,7 +202,11 @@ def _write_transformer(plan: TransformerPlan, out_dir: Path, progress: Callable[
     plan.report.seconds = round(time.perf_counter() - start, 3)
 
 
-def _check_options(weight_layout: str, non_block_quantized: str, max_shard_size: int | None) -> None:
+def _check_options(
+    weight_layout: str, non_block_quantized: str, max_shard_size: int | None, mxfp8_layers: str
+) -> None:
+    if mxfp8_layers not in MXFP8_POLICIES:
+        raise CheckpointError(f"mxfp8 layers {mxfp8_layers!r}; expected one of {', '.join(MXFP8_POLICIES)}")
     if weight_layout not in WEIGHT_LAYOUTS:
         raise CheckpointError(f"weight layout {weight_layout!r}; expected one of {', '.join(WEIGHT_LAYOUTS)}")
     if non_block_quantized not in NON_BLOCK_POLICIES:
@@ -314,18 +319,20 @@ def merge(
     dry_run: bool = False,
     overwrite: bool = False,
     non_block_quantized: str = "error",
+    mxfp8_layers: str = "keep",
     progress: bool | None = None,
 ) -> MergeReport:
     """Merge msModelSlim MXFP4 output into a copy of the original diffusers pipeline.
 
     ``model_type`` is a key of :data:`MODEL_TYPES` or ``"auto"``. ``weight_layout`` ``"packed"``
     keeps the uint8 ``(N, K/2)`` weights, ``"numeric"`` writes their FP4 values as BF16 ``(N, K)``.
-    ``max_shard_size`` (bytes) shards each transformer's weights. ``dry_run`` validates and reports
+    ``max_shard_size`` (bytes) shards each transformer's weights. ``mxfp8_layers``: ``"keep"`` W8A8
+    MXFP8 layers or take them from the original (``"bf16"``). ``dry_run`` validates and reports
     without writing. ``progress`` shows a tqdm bar on stderr (``None``: only on a terminal).
     Raises :class:`CheckpointError` for invalid input; on any failure or interruption no output is left.
     """
     start = time.perf_counter()
-    _check_options(weight_layout, non_block_quantized, max_shard_size)
+    _check_options(weight_layout, non_block_quantized, max_shard_size, mxfp8_layers)
     original, quant, output = (Path(p).absolute() for p in (original_model, quant_path, output_path))
     stale = handle_stale_staging(output, dry_run)
     _check_input_dirs(original, quant)
@@ -339,6 +346,7 @@ def merge(
         weight_layout=weight_layout,
         max_shard_size=max_shard_size,
         non_block_quantized=non_block_quantized,
+        mxfp8_layers=mxfp8_layers,
     )
     components = component_files(original, {source.folder for source in sources})
     report = MergeReport(

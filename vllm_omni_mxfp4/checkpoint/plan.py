@@ -6,7 +6,10 @@ versions overlaid, each quantized Linear's weight (packed, or unpacked to BF16 v
 Smooth vector. Nothing is written here, so ``--dry-run`` is exactly this step.
 
 A layer of a format that requires ``mul_scale`` (DualScale) that msModelSlim did not smooth gets an
-identity ``mul_scale`` (ones). The ``quantization_config`` written to ``config.json`` comes from the
+identity ``mul_scale`` (ones). W8A8 MXFP8 layers (msModelSlim's shipped Wan2.2 recipes) are written
+as stored and listed in ``mxfp8_layers``, or, with ``mxfp8="bf16"``, taken from the original and
+listed in ``ignored_layers``. Online Q/K rotation records are left out of the weights and recorded in
+``online_rotation``; FA3 records are reported per attention (attention stays BF16) and left out. The ``quantization_config`` written to ``config.json`` comes from the
 runtime's own config classes (:mod:`vllm_omni_mxfp4.config`), so the runtime accepts what the merge
 writes.
 """
@@ -22,8 +25,9 @@ from vllm_omni_mxfp4.config import Mxfp4Config, Mxfp4DualScaleConfig
 
 from .errors import CheckpointError, read_json_object, require_regular_file
 from .export import FLOAT_LABEL, read_export
-from .names import natural_key, runtime_layer_name
+from .names import natural_key, runtime_layer_name, wan_to_diffusers
 from .origin import check_origin
+from .rotation import REASON as ROTATION_REASON
 from .safetensors_io import (
     FLOAT_DTYPES,
     CopyBytes,
@@ -37,6 +41,8 @@ from .safetensors_io import (
 from .validate import (
     ADDED_LEAVES,
     MUL_SCALE,
+    MXFP8,
+    MXFP8_POLICIES,
     NON_BLOCK_POLICIES,
     WEIGHTS_BASENAME,
     Layers,
@@ -46,6 +52,7 @@ from .validate import (
 
 __all__ = [
     "DESCRIPTION_NAME",
+    "MXFP8_POLICIES",
     "NON_BLOCK_POLICIES",
     "WEIGHTS_BASENAME",
     "WEIGHT_LAYOUTS",
@@ -75,6 +82,14 @@ class TransformerReport:
     smooth_layers: int
     ignored_layers: list[str]
     require_smooth_scale: bool | None
+    #: Runtime Linears written as W8A8 MXFP8 (``mxfp8_layers``) ...
+    mxfp8_layers: list[str]
+    #: ... and those msModelSlim stored as W8A8 MXFP8 but written from the BF16 original.
+    mxfp8_to_bf16: list[str]
+    #: FA3 records: runtime attention -> msModelSlim's attention dtype; every one runs in BF16.
+    fa3_attention: dict[str, str]
+    #: The online rotation record written to the config (``None``: the export has none).
+    online_rotation: dict | None
     tensors: int
     tensors_from_original: int
     bytes_in: int
@@ -143,17 +158,14 @@ def _add_original_tensors(inputs: MergeInputs, layers: Layers, out: _Outputs) ->
 def _add_quantized_tensors(inputs: MergeInputs, layer: str, layout: str, out: _Outputs) -> None:
     """A quantized Linear's weight (packed, or unpacked to BF16), scales and Smooth vector."""
     tensors = inputs.by_layer[layer]
-    weight = tensors["weight"].ref
-    if layout == "packed":
-        out.copy(f"{layer}.weight", weight, inputs.export.label)
+    weight, label = tensors["weight"].ref, inputs.layer_label(layer)
+    if layout == "packed" or inputs.layer_format(layer) == MXFP8:  # FP8 is stored as numbers already
+        out.copy(f"{layer}.weight", weight, label)
     else:
         shape = (weight.shape[0], weight.shape[1] * 2)
-        out.add(
-            OutputTensor(f"{layer}.weight", "BF16", shape, UnpackFp4ToBf16(weight)),
-            weight,
-            inputs.export.label,
-        )
-    if MUL_SCALE not in tensors and spec.checkpoint_tensor(inputs.export.quant_method, MUL_SCALE).required:
+        out.add(OutputTensor(f"{layer}.weight", "BF16", shape, UnpackFp4ToBf16(weight)), weight, label)
+    records = {record.name: record for record in spec.checkpoint_tensors(inputs.layer_format(layer))}
+    if MUL_SCALE not in tensors and MUL_SCALE in records and records[MUL_SCALE].required:
         # A layer msModelSlim did not smooth gets the identity, which leaves its activations unchanged.
         k = weight.shape[1] * 2
         out.add(OutputTensor(f"{layer}.{MUL_SCALE}", "F32", (k,), OnesF32(k)))
@@ -180,28 +192,68 @@ def _smooth_count(inputs: MergeInputs, layers: Layers) -> int:
 
 
 def _require_smooth_scale(inputs: MergeInputs, layers: Layers) -> bool | None:
-    """``require_smooth_scale`` for formats where ``mul_scale`` is optional: true iff every quantized
-    layer is smoothed. ``None`` where the format always requires it."""
+    """``require_smooth_scale`` for formats where ``mul_scale`` is optional: true iff every MXFP4
+    layer is smoothed (MXFP8 layers have no Smooth). ``None`` where the format always requires it."""
     if spec.checkpoint_tensor(inputs.export.quant_method, MUL_SCALE).required:
         return None
+    mxfp4 = len(layers.quantized) - len(layers.mxfp8)
     smoothed = _smooth_count(inputs, layers)
-    if 0 < smoothed < len(layers.quantized):
+    if 0 < smoothed < mxfp4:
         inputs.warn(
-            f"Smooth on {smoothed} of {len(layers.quantized)} quantized layers; require_smooth_scale "
+            f"Smooth on {smoothed} of {mxfp4} MXFP4 layers; require_smooth_scale "
             "is false so that the others load with identity scaling"
         )
-    return smoothed == len(layers.quantized)
+    return mxfp4 > 0 and smoothed == mxfp4
 
 
-def _quantization_config(quant_method: str, ignored: list[str], require_smooth: bool | None) -> dict:
-    """The ``quantization_config`` block, from the runtime config class of ``quant_method``."""
+def _quantization_config(
+    quant_method: str, ignored: list[str], require_smooth: bool | None, extra: dict[str, object]
+) -> dict:
+    """The ``quantization_config`` block, from the runtime config class of ``quant_method``;
+    ``extra``: the keys only some checkpoints carry (``mxfp8_layers``, ``online_rotation``)."""
     if quant_method == Mxfp4DualScaleConfig.METHOD:
-        config = Mxfp4DualScaleConfig(is_checkpoint_serialized=True, ignored_layers=ignored)
+        config = Mxfp4DualScaleConfig(is_checkpoint_serialized=True, ignored_layers=ignored, **extra)
     else:
         config = Mxfp4Config(
-            is_checkpoint_mxfp4_serialized=True, ignored_layers=ignored, require_smooth_scale=require_smooth
+            is_checkpoint_mxfp4_serialized=True,
+            ignored_layers=ignored,
+            require_smooth_scale=require_smooth,
+            **extra,
         )
     return config.to_checkpoint_dict()
+
+
+def _runtime_names(layers: list[str]) -> list[str]:
+    return sorted({runtime_layer_name(layer) for layer in layers}, key=natural_key)
+
+
+def _fa3_attention(inputs: MergeInputs) -> dict[str, str]:
+    """FA3 records by runtime attention (``blocks.N.attn1``); every one runs in BF16 in vLLM-Omni."""
+    found = {}
+    for attention, dtype in inputs.export.fa_markers.items():
+        try:
+            place = wan_to_diffusers(f"{attention}.q.weight")
+        except CheckpointError:
+            raise CheckpointError(
+                f"{inputs.export.description}: FA3 record {attention}.quant_type names no Wan attention"
+            ) from None
+        found[place.layer.rsplit(".", 1)[0]] = dtype
+    if found:
+        inputs.warn(
+            f"FA3 attention quantization on {len(found)} attention layer(s) "
+            f"({', '.join(sorted(set(found.values())))}): attention stays BF16 in vLLM-Omni (higher precision "
+            "than msModelSlim calibrated for, slower than MindIE-SD's quantized attention)"
+        )
+    return dict(sorted(found.items(), key=lambda item: natural_key(item[0])))
+
+
+def _online_rotation(inputs: MergeInputs) -> dict | None:
+    """The config record of the accepted online Q/K rotations (informational: not applied)."""
+    attentions = inputs.rotations.runtime_layers()
+    if not attentions:
+        return None
+    inputs.warn(f"online Q/K rotation on {len(attentions)} attention layer(s) not applied: {ROTATION_REASON}")
+    return {"layers": sorted(attentions, key=natural_key), "applied": False, "reason": ROTATION_REASON}
 
 
 def _original_config(original_dir: Path) -> dict:
@@ -250,9 +302,10 @@ def _extra_files(original_dir: Path) -> list[Path]:
 
 
 def _report(
-    inputs: MergeInputs, layers: Layers, out: _Outputs, ignored: list[str], require_smooth: bool | None
+    inputs: MergeInputs, layers: Layers, out: _Outputs, quant: dict, require_smooth: bool | None
 ) -> TransformerReport:
     export = inputs.export
+    to_bf16 = [layer for layer in layers.replaced if inputs.layer_format(layer) == MXFP8]
     return TransformerReport(
         name=inputs.name,
         quant_dir=str(export.directory),
@@ -262,8 +315,12 @@ def _report(
         layers_quantized=len(layers.quantized),
         layers_bf16=len(layers.bf16),
         smooth_layers=_smooth_count(inputs, layers),
-        ignored_layers=ignored,
+        ignored_layers=list(quant.get("ignored_layers", [])),
         require_smooth_scale=require_smooth,
+        mxfp8_layers=list(quant.get("mxfp8_layers", [])),
+        mxfp8_to_bf16=_runtime_names(to_bf16),
+        fa3_attention=_fa3_attention(inputs),
+        online_rotation=quant.get("online_rotation"),
         tensors=len(out.tensors),
         tensors_from_original=out.from_original,
         bytes_in=out.bytes_in,
@@ -280,26 +337,39 @@ def plan_transformer(
     weight_layout: str = "packed",
     max_shard_size: int | None = None,
     non_block_quantized: str = "error",
+    mxfp8_layers: str = "keep",
     siblings: dict[str, Path] | None = None,
 ) -> TransformerPlan:
     """Validate one transformer's export against its original and plan the merged tensors.
 
-    ``siblings`` are the model's other transformers (folder name -> original directory): an export
-    made from one of them (swapped or duplicated experts) is refused, naming it.
+    ``mxfp8_layers`` (:data:`MXFP8_POLICIES`): ``keep`` the export's W8A8 MXFP8 layers, or ``bf16``:
+    take them from the original. ``siblings`` are the model's other transformers (folder name ->
+    original directory): an export made from one of them (swapped or duplicated experts) is
+    refused, naming it.
     """
     check_original_unquantized(original_dir)
-    inputs = MergeInputs(name, original_dir, read_export(quant_dir), non_block_quantized)
+    inputs = MergeInputs(name, original_dir, read_export(quant_dir), non_block_quantized, mxfp8_layers)
     layers = inputs.decide_layers()
+    if not layers.quantized:
+        raise CheckpointError(
+            f"{inputs.export.description}: no Linear stays quantized (its only quantized layers are W8A8 "
+            "MXFP8 and --mxfp8-layers is bf16); nothing to merge"
+        )
     check_origin(inputs, siblings or {})
     out = _output_tensors(inputs, layers, weight_layout)
-    ignored = sorted({runtime_layer_name(layer) for layer in layers.bf16}, key=natural_key)
     require_smooth = _require_smooth_scale(inputs, layers)
-    if inputs.export.fa_markers:
-        inputs.warn(f"{len(inputs.export.fa_markers)} FA3 attention-quantization marker(s) ignored")
-    quant = _quantization_config(inputs.export.quant_method, ignored, require_smooth)
+    extra: dict[str, object] = {}
+    if layers.mxfp8:
+        extra["mxfp8_layers"] = _runtime_names(layers.mxfp8)
+    rotation = _online_rotation(inputs)
+    if rotation is not None:
+        extra["online_rotation"] = rotation
+    quant = _quantization_config(
+        inputs.export.quant_method, _runtime_names(layers.bf16), require_smooth, extra
+    )
     config = {**_original_config(original_dir), "quantization_config": quant}
     return TransformerPlan(
-        report=_report(inputs, layers, out, ignored, require_smooth),
+        report=_report(inputs, layers, out, quant, require_smooth),
         original_dir=original_dir,
         shards=split_into_shards(out.tensors, max_shard_size, natural_key),
         config=config,

@@ -16,7 +16,10 @@ tensor or file):
 - the self-attention Q/K/V of a block (fused at runtime) are all quantized or all BF16, and share
   one ``mul_scale`` (or none);
 - only block Linears are quantized (vLLM-Omni runs the embedders and ``proj_out`` in BF16), unless
-  the caller asks to take such layers from the original.
+  the caller asks to take such layers from the original;
+- a Linear's format is its weight's label: the export's MXFP4 format, or W8A8 MXFP8 (``mxfp8``, kept
+  or, with ``mxfp8="bf16"``, taken from the BF16 original); a fused Q/K/V group shares one format;
+- online Q/K rotation records (:mod:`.rotation`) are set apart, checked and kept out of the weights.
 
 Only headers and the small tensors (scales, Smooth vectors, biases) are read.
 """
@@ -32,7 +35,7 @@ import numpy as np
 from vllm_omni_mxfp4 import spec
 
 from .errors import CheckpointError
-from .export import FLOAT_LABEL, QuantExport
+from .export import FLOAT_LABEL, LAYER_FORMATS, QuantExport
 from .names import (
     LINEAR,
     TensorName,
@@ -44,6 +47,7 @@ from .names import (
     strip_smooth_wrapper,
     wan_to_diffusers,
 )
+from .rotation import ROWS_COMPARED, Rotations, decode_rows, is_rotation_record, read_rows
 from .safetensors_io import (
     FLOAT_DTYPES,
     TensorRef,
@@ -57,6 +61,9 @@ logger = logging.getLogger(__name__)
 
 WEIGHTS_BASENAME = "diffusion_pytorch_model"
 NON_BLOCK_POLICIES = ("error", "original")
+#: ``--mxfp8-layers``: keep the export's W8A8 MXFP8 layers, or take them from the BF16 original.
+MXFP8_POLICIES = ("keep", "bf16")
+MXFP8 = "mxfp8"
 MUL_SCALE = spec.MUL_SCALE.name
 #: The tensors the BF16 original has for a Linear; the quantized formats add the others.
 _ORIGINAL_LEAVES = ("weight", "bias")
@@ -89,8 +96,11 @@ class Layers:
 
     quantized: list[str] = field(default_factory=list)
     bf16: list[str] = field(default_factory=list)
-    #: Quantized in the export but taken from the original (``--non-block-quantized original``).
+    #: Quantized in the export but taken from the original (``--non-block-quantized original``,
+    #: ``--mxfp8-layers bf16``).
     replaced: set[str] = field(default_factory=set)
+    #: The quantized layers written as W8A8 MXFP8 (a subset of ``quantized``).
+    mxfp8: list[str] = field(default_factory=list)
 
 
 def original_archive(directory: Path) -> dict[str, TensorRef]:
@@ -158,9 +168,12 @@ def _allowed_labels(leaf: str, label: str) -> tuple[str, ...]:
     return (label,)
 
 
-def _map_export(export: QuantExport) -> dict[str, ExportTensor]:
+def _map_export(export: QuantExport, rotations: Rotations) -> dict[str, ExportTensor]:
     mapped: dict[str, ExportTensor] = {}
     for name in sorted(export.tensors, key=natural_key):
+        if is_rotation_record(name):
+            rotations.add(name, export.tensors[name])
+            continue
         stripped, wrapped = strip_smooth_wrapper(name)
         try:
             place = wan_to_diffusers(stripped)
@@ -198,15 +211,18 @@ class MergeInputs:
     """One transformer's original and export, indexed by diffusers name and by Linear layer, and the
     checks between them; :meth:`decide_layers` runs them all."""
 
-    def __init__(self, name: str, original_dir: Path, export: QuantExport, non_block: str):
+    def __init__(
+        self, name: str, original_dir: Path, export: QuantExport, non_block: str, mxfp8: str = "keep"
+    ):
         self.name = name
         self.original_dir = original_dir
         self.export = export
         self.non_block = non_block
-        self.records = spec.checkpoint_tensors(export.quant_method)
+        self.mxfp8 = mxfp8
         self.original = original_archive(original_dir)
         self.places = _parse_original_names(self.original)
-        self.mapped = _map_export(export)
+        self.rotations = Rotations(export.description)
+        self.mapped = _map_export(export, self.rotations)
         self.by_layer: dict[str, dict[str, ExportTensor]] = {}
         for t in self.mapped.values():
             if t.place.layer is not None and t.place.kind == LINEAR:
@@ -276,6 +292,15 @@ class MergeInputs:
                 f"{_export_layer(layer)}.div.mul_scale"
             )
 
+    def layer_label(self, layer: str) -> str:
+        """The description label of a Linear's weight (``FLOAT`` for a BF16 one)."""
+        weight = self.by_layer.get(layer, {}).get("weight")
+        return FLOAT_LABEL if weight is None else weight.label
+
+    def layer_format(self, layer: str) -> str:
+        """The format of :mod:`vllm_omni_mxfp4.spec` a quantized Linear is stored in."""
+        return LAYER_FORMATS[self.layer_label(layer)]
+
     def exported_quantized(self, layer: str) -> bool:
         """Whether the export holds a quantized weight for this Linear."""
         weight = self.by_layer.get(layer, {}).get("weight")
@@ -308,8 +333,9 @@ class MergeInputs:
         """The quantized Linear has its format's tensors, labelled as msModelSlim labels them, and no others."""
         tensors = self.by_layer[layer]
         context = self._layer_context(layer)
-        label = self.export.label
-        for record in self.records:
+        label = self.layer_label(layer)
+        records = spec.checkpoint_tensors(self.layer_format(layer))
+        for record in records:
             t = tensors.get(record.name)
             if t is not None and t.label not in _allowed_labels(record.name, label):
                 expected = " or ".join(_allowed_labels(record.name, label))
@@ -318,7 +344,7 @@ class MergeInputs:
                 raise CheckpointError(
                     f"{context}: quantized ({label}) but {_export_layer(layer)}.{record.name} is missing"
                 )
-        known = [record.name for record in self.records]
+        known = [record.name for record in records]
         for leaf, t in tensors.items():
             if leaf not in known:
                 raise _fail(
@@ -334,13 +360,14 @@ class MergeInputs:
         """A quantized Linear's tensors against the format's table: set, labels, dtypes, shapes, values."""
         n, k = self._original_linear_shape(layer)
         self._check_tensor_set(layer)
-        if k % spec.WEIGHT_FP4.k_per_index:
+        records = spec.checkpoint_tensors(self.layer_format(layer))
+        if k % records[0].k_per_index:
             raise CheckpointError(
                 f"{self._layer_context(layer)}: K = {k} is odd and cannot hold packed FP4 pairs"
             )
         why = f"for the original Linear {layer} of shape [{n}, {k}]"
         tensors = self.by_layer[layer]
-        for record in self.records:
+        for record in records:
             if record.name in tensors:
                 t = tensors[record.name]
                 _check_dtype_and_shape(
@@ -349,10 +376,11 @@ class MergeInputs:
                 _check_values(t, record)
 
     def keeps_quantized(self, layer: str) -> bool:
-        """Whether a quantized Linear is written quantized: block Linears are; for the others the
-        ``non_block`` policy either refuses the export or takes the BF16 original."""
+        """Whether a quantized Linear is written quantized: block Linears are (W8A8 MXFP8 ones unless
+        the ``mxfp8`` policy is ``bf16``); for the others the ``non_block`` policy either refuses the
+        export or takes the BF16 original."""
         if is_runtime_quantizable(layer):
-            return True
+            return self.mxfp8 == "keep" or self.layer_format(layer) != MXFP8
         if self.non_block == "error":
             raise CheckpointError(
                 f"{self._layer_context(layer)}: is quantized, but vLLM-Omni runs this Linear in BF16 "
@@ -379,6 +407,13 @@ class MergeInputs:
             context = f"{self.export.description.name}: fused self-attention {group} (export {_export_layer(members[0])[:-2]})"
             short = [layer.rsplit(".", 1)[1] for layer in members]
             done = [s for s, layer in zip(short, members) if layer in quantized]
+            formats = {self.layer_label(layer) for layer in members if layer in quantized}
+            if len(formats) > 1:
+                shown = ", ".join(f"{s} {self.layer_label(m)}" for s, m in zip(short, members))
+                raise CheckpointError(
+                    f"{context}: Q/K/V are stored in different formats ({shown}); vLLM-Omni fuses them "
+                    "into attn1.to_qkv, one Linear of one format: quantize all three alike"
+                )
             if done and len(done) != len(members):
                 bf16 = [s for s, layer in zip(short, members) if layer not in quantized]
                 raise CheckpointError(
@@ -448,7 +483,35 @@ class MergeInputs:
                     continue
                 layers.replaced.add(layer)
             layers.bf16.append(layer)
+        layers.mxfp8 = [layer for layer in layers.quantized if self.layer_format(layer) == MXFP8]
         self.check_complete()
         self.check_fused_qkv(layers)
         self.check_float_tensors(layers)
+        self.check_rotations()
         return layers
+
+    def check_rotations(self) -> None:
+        """Online Q/K rotation records: well formed, and the Q/K weights they rotate are unrotated."""
+        decoded = {}
+        for attention in self.rotations.records:
+            for proj in ("q", "k"):
+                export_name = f"{attention}.{proj}"
+                place = wan_to_diffusers(f"{export_name}.weight")
+                decoded[export_name] = (
+                    self._decoded_rows(place.layer),
+                    read_rows(self.original[place.name], ROWS_COMPARED).astype(np.float64),
+                )
+        self.rotations.check(self.original_dir, decoded)
+
+    def _decoded_rows(self, layer: str) -> np.ndarray:
+        """The first rows of a Linear's weight as the export stores it, decoded to numbers."""
+        tensors = self.by_layer[layer]
+        weight, scale = tensors["weight"].ref, tensors.get("weight_scale")
+        fmt = "bf16" if not self.exported_quantized(layer) else self.layer_format(layer)
+        values = decode_rows(fmt, weight, None if scale is None else scale.ref, ROWS_COMPARED)
+        dual = tensors.get("weight_dual_scale")
+        if dual is not None:
+            coarse = read_rows(dual.ref, ROWS_COMPARED)[..., 0].astype(np.float64)
+            values = values * np.repeat(coarse, spec.DUAL_BLOCK, axis=1)[:, : values.shape[1]]
+        smooth = tensors.get(MUL_SCALE)
+        return values if smooth is None else values * smooth.ref.read_array().astype(np.float64)
