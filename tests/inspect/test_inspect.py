@@ -205,7 +205,11 @@ def test_wrong_dtype_is_named(offline_dirs, tmp_path):
     bad = checkpoint_variant(
         offline_dirs["mxfp4_dualscale"], tmp_path / "m", tensors=_retype(name, torch.float16)
     )
-    assert_problem(inspect_path(bad), "blocks.1.attn2.to_v", rf"{re.escape(name)}: dtype F16", "F32")
+    assert_problem(
+        inspect_path(bad),
+        "blocks.1.attn2.to_v",
+        rf"{re.escape(name)}: dtype F16; expected F32 \(weight_dual_scale: F32 ",
+    )
 
 
 def test_dual_scale_nan_is_named(offline_dirs, tmp_path):

@@ -95,7 +95,7 @@ def _check_record(feed: Feed, record: spec.CheckpointTensor, n: int, k: int) -> 
     """dtype, shape and values of one quantized Linear's tensor against its spec record."""
     ref = feed.ref
     if ref.dtype not in record.dtypes:
-        return [f"{ref.name}: dtype {ref.dtype}; a {record.describe()} is {' or '.join(record.dtypes)}"]
+        return [f"{ref.name}: dtype {ref.dtype}; expected {' or '.join(record.dtypes)} ({record.describe()})"]
     expected = record.shape(n, k)
     if tuple(ref.shape) != expected:
         return [
