@@ -157,3 +157,12 @@ def test_row_parallel_shards_slice_weight_and_scale_and_sum_to_tp1(vllm_env, as_
         total = total + out
     assert bool(shared) == bool(part % 32)
     assert torch.allclose(total, F.linear(xq, w), rtol=1e-4, atol=1e-4)
+
+
+def test_an_mxfp8_weight_at_a_layer_missing_from_mxfp8_layers_names_the_key(vllm_env):
+    ckpt, _, _ = _ckpt()
+    spec = {**SPEC, "mxfp8_layers": []}
+    message = _refused(vllm_env, "weight", ckpt["weight"], spec)
+    assert message.startswith(f"{PREFIX}.weight: numeric weight holds values that are not FP4 E2M1 numbers")
+    assert "a float8_e4m3fn weight off that grid is an MXFP8 W8A8 layer's" in message
+    assert "mxfp8_layers" not in _refused(vllm_env, "weight", ckpt["weight"].float().to(torch.bfloat16), spec)

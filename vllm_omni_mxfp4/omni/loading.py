@@ -205,10 +205,17 @@ def as_packed(t: torch.Tensor, k_full: int, where: str) -> torch.Tensor:
     off_grid = e2m1_decode(codes) != values
     if bool(off_grid.any()):
         first = values[off_grid][0].item()
+        mxfp8 = (
+            "; a float8_e4m3fn weight off that grid is an MXFP8 W8A8 layer's: the quantization_config lists such "
+            "layers in mxfp8_layers (vllm-omni-mxfp4 merge writes it; omit the quantization argument so that "
+            "the checkpoint's config.json is used)"
+            if t.dtype == torch.float8_e4m3fn
+            else ""
+        )
         raise ValueError(
             f"{where}: numeric weight holds values that are not FP4 E2M1 numbers ({int(off_grid.sum())} of "
             f"{values.numel()}, e.g. {first}); an offline checkpoint stores E2M1 values (or packed bytes) and "
-            "the E8M0 scales separately"
+            f"the E8M0 scales separately{mxfp8}"
         )
     return pack_fp4(codes)
 
