@@ -11,12 +11,14 @@ vLLM-Omni's post-load step, and compares one forward on the same inputs.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import importlib.util
 import inspect
 import re
 import sys
+import textwrap
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,8 +62,14 @@ class Case:
     key: str
     module: str
     config: dict
-    inputs: Callable[[], dict]
+    # None: the model is built and loaded (quantized online) with both methods but its forward is not
+    # run; tools/model_table.py's NOTES say why
+    inputs: Callable[[], dict] | None
     output: Callable[[object], torch.Tensor] = field(default=lambda out: out[0])
+    # the constructor reads its config from od_config.tf_model_config only (no config keywords)
+    config_in_od_config_only: bool = False
+    # more constructor keywords, made at build time (objects of vLLM-Omni's own config classes)
+    extra: Callable[[], dict] | None = None
 
     @property
     def cls(self):
@@ -95,7 +103,9 @@ def build(env, case: Case, spec=None):
     """``case``'s transformer, built as vLLM-Omni's pipeline builds it (bf16 default dtype)."""
     from vllm_omni_mxfp4.omni import build_quant_config
 
-    kwargs = dict(case.config, quant_config=build_quant_config(spec) if spec is not None else None)
+    kwargs = {} if case.config_in_od_config_only else dict(case.config)
+    kwargs["quant_config"] = build_quant_config(spec) if spec is not None else None
+    kwargs.update(case.extra() if case.extra is not None else {})
     if "od_config" in inspect.signature(case.cls.__init__).parameters:
         from vllm_omni.diffusion.data import TransformerConfig
 
@@ -155,6 +165,13 @@ def quantized_names(model) -> list[str]:
     )
 
 
+def unprepared_names(model) -> list[str]:
+    """Quantized Linears not in the ``PREPARED`` phase after loading (quantized, kernel tensors built)."""
+    from vllm_omni_mxfp4.omni.state import Phase
+
+    return sorted(n for n in quantized_names(model) if model.get_submodule(n)._mx.phase is not Phase.PREPARED)
+
+
 def plain_linears(model) -> list[str]:
     """Runtime names of the model's plain ``nn.Linear`` (always BF16)."""
     return sorted(n for n, m in model.named_modules() if type(m) is torch.nn.Linear)
@@ -180,6 +197,34 @@ def fused_linears(model) -> list[str]:
     return sorted(n for n, m in model.named_modules() if isinstance(m, fused))
 
 
+def loader_mapping(model) -> dict[str, list[str]]:
+    """The model's fused runtime Linears -> the checkpoint names its ``load_weights`` stacks into them:
+    its ``stacked_params_mapping`` (an attribute, or the list ``load_weights`` builds, read from its
+    source), else its ``packed_modules_mapping``. Names without the dots the mapping's substring
+    replacement uses (``".to_qkv."`` -> ``to_qkv``)."""
+    stacked = getattr(model, "stacked_params_mapping", None) or _stacked_in_load_weights(type(model))
+    if not stacked:
+        return {k: list(v) for k, v in getattr(model, "packed_modules_mapping", {}).items()}
+    out: dict[str, list[str]] = {}
+    for param, shard, _ in stacked:
+        out.setdefault(param.strip("."), []).append(shard.strip("."))
+    return out
+
+
+def _stacked_in_load_weights(cls) -> list | None:
+    """The literal ``stacked_params_mapping = [...]`` in the nearest ``load_weights`` of ``cls``."""
+    for klass in cls.__mro__:
+        fn = klass.__dict__.get("load_weights")
+        if fn is None:
+            continue
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn)))):
+            targets = getattr(node, "targets", [])
+            if any(isinstance(t, ast.Name) and t.id == "stacked_params_mapping" for t in targets):
+                return ast.literal_eval(node.value)
+        return None
+    return None
+
+
 def patterns(names) -> list[str]:
     """Names with block indices folded (``blocks.0.x``, ``blocks.1.x`` -> ``blocks.*.x``), sorted."""
     return sorted({re.sub(r"\.\d+(?=\.|$)", ".*", n) for n in names})
@@ -199,6 +244,8 @@ class Measurement:
     # blind in tiny random models whose residual path dominates the output (a broken quantization
     # still gives 0.9997 on HunyuanVideo-1.5's tiny build); this one is not.
     contribution: dict[str, float] = field(default_factory=dict)
+    # quantized Linears whose loading did not end with the kernel's tensors built (should be none)
+    unprepared: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _without(env, case: Case, weights: dict[str, torch.Tensor], linears: list[str]) -> torch.Tensor:
@@ -213,21 +260,25 @@ def _without(env, case: Case, weights: dict[str, torch.Tensor], linears: list[st
 
 
 def measure(env, case: Case, methods=tuple(SPECS)) -> Measurement:
-    """BF16 vs each online method on one forward of ``case``'s tiny transformer."""
+    """BF16 vs each online method on one forward of ``case``'s tiny transformer (without a forward
+    when ``case.inputs`` is None: what each method quantizes, every quantized layer prepared)."""
     torch.manual_seed(0)
     ref = build(env, case)
     randomize(ref)
     weights = {name: p.detach().clone() for name, p in ref.named_parameters()}
     finish(env, ref)  # vLLM's CPU Linears repack their weights here
-    expect = forward(env, case, ref)
-    packed = dict(getattr(ref, "packed_modules_mapping", {}))
+    expect = forward(env, case, ref) if case.inputs is not None else None
+    packed = loader_mapping(ref)
     out = Measurement({}, {}, {}, plain_linears(ref), [], fused_linears(ref), packed)
     for method in methods:
         model = build(env, case, SPECS[method])
         load_from(env, model, weights)
-        got = forward(env, case, model)
         out.quantized[method] = quantized_names(model)
         out.unquantized = unquantized_vllm_linears(model)
+        out.unprepared[method] = unprepared_names(model)
+        if expect is None:
+            continue
+        got = forward(env, case, model)
         out.cosine[method] = cosine(got, expect)
         out.max_abs[method] = (got - expect).abs().max().item()
         if method == methods[0]:
@@ -492,6 +543,254 @@ HELIOS = Case(
 )
 
 
+FLUX_KONTEXT = Case(
+    "flux.FluxKontextTransformer2DModel",
+    "vllm_omni.diffusion.models.flux.flux_transformer",
+    FLUX.config,
+    FLUX.inputs,
+)
+
+# Ming's two transformers subclass Z-Image's without changing its constructor or Linears.
+MING_FLASH_OMNI = Case(
+    "ming_flash_omni.MingZImageTransformer2DModel",
+    "vllm_omni.diffusion.models.ming_flash_omni.ming_zimage_transformer",
+    Z_IMAGE.config,
+    Z_IMAGE.inputs,
+    Z_IMAGE.output,
+)
+
+MING_IMAGE = Case(
+    "ming_image.MingImageTransformer2DModel",
+    "vllm_omni.diffusion.models.ming_image.transformer",
+    Z_IMAGE.config,
+    Z_IMAGE.inputs,
+    Z_IMAGE.output,
+)
+
+WAN_VACE = Case(
+    "wan2_2.WanVACETransformer3DModel",
+    "vllm_omni.diffusion.models.wan2_2.wan2_2_vace_transformer",
+    dict(WAN.config, vace_layers=[0], vace_in_channels=16),
+    lambda: dict(WAN.inputs(), vace_context=randn(1, 16, 3, 8, 8, seed=3)),
+)
+
+KREA2 = Case(
+    "krea2.Krea2Transformer2DModel",
+    "vllm_omni.diffusion.models.krea2.krea2_transformer",
+    dict(
+        in_channels=64,
+        num_layers=2,
+        attention_head_dim=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+        timestep_embed_dim=256,
+        text_hidden_dim=256,
+        num_text_layers=2,
+        text_num_attention_heads=4,
+        text_num_key_value_heads=4,
+        text_intermediate_size=512,
+        num_layerwise_text_blocks=1,
+        num_refiner_text_blocks=1,
+        axes_dims_rope=(32, 48, 48),
+    ),
+    lambda: dict(
+        hidden_states=randn(1, 16, 64, seed=1),
+        encoder_hidden_states=randn(1, 8, 2, 256, seed=2),  # (batch, text tokens, tapped layers, dim)
+        timestep=torch.tensor([0.5], dtype=torch.bfloat16),
+        position_ids=torch.cat([torch.zeros(8, 3), _ids(16, 3, image=True)]),
+    ),
+    output=lambda out: out,
+)
+
+
+def _omnigen2_inputs() -> dict:
+    from vllm_omni.diffusion.models.omnigen2.omnigen2_transformer import OmniGen2RotaryPosEmbed
+
+    return dict(
+        hidden_states=randn(1, 16, 8, 8, seed=1),
+        timestep=torch.tensor([0.5], dtype=torch.bfloat16),
+        text_hidden_states=randn(1, 8, 64, seed=2),
+        # as the pipeline computes them from the transformer's config
+        freqs_cis=OmniGen2RotaryPosEmbed.get_freqs_cis((16, 24, 24), (64, 64, 64), theta=10000),
+        text_attention_mask=torch.ones(1, 8, dtype=torch.bool),
+        return_dict=False,
+    )
+
+
+OMNIGEN2 = Case(
+    "omnigen2.OmniGen2Transformer2DModel",
+    "vllm_omni.diffusion.models.omnigen2.omnigen2_transformer",
+    dict(
+        patch_size=2,
+        in_channels=16,
+        hidden_size=256,
+        num_layers=2,
+        num_refiner_layers=1,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        multiple_of=256,
+        axes_dim_rope=(16, 24, 24),
+        axes_lens=(64, 64, 64),
+        text_feat_dim=64,
+    ),
+    _omnigen2_inputs,
+)
+
+
+def _boogu_inputs() -> dict:
+    from vllm_omni.diffusion.models.boogu_image.boogu_image_transformer import (
+        BooguImageDoubleStreamRotaryPosEmbed,
+    )
+
+    return dict(
+        hidden_states=randn(1, 16, 8, 8, seed=1),
+        timestep=torch.tensor([0.5], dtype=torch.bfloat16),
+        instruction_hidden_states=randn(1, 8, 64, seed=2),
+        freqs_real=BooguImageDoubleStreamRotaryPosEmbed.get_freqs_real(
+            (16, 24, 24), (64, 64, 64), theta=10000
+        ),
+        instruction_attention_mask=torch.ones(1, 8, dtype=torch.bool),
+    )
+
+
+BOOGU_IMAGE = Case(
+    "boogu_image.BooguImageTransformer2DModel",
+    "vllm_omni.diffusion.models.boogu_image.boogu_image_transformer",
+    dict(
+        patch_size=2,
+        in_channels=16,
+        hidden_size=256,
+        num_layers=2,
+        num_double_stream_layers=1,
+        num_refiner_layers=1,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        multiple_of=256,
+        axes_dim_rope=(16, 24, 24),
+        axes_lens=(64, 64, 64),
+        instruction_feature_configs={
+            "instruction_feat_dim": 64,
+            "reduce_type": "mean",
+            "num_instruction_feature_layers": 1,
+        },
+    ),
+    _boogu_inputs,
+    output=lambda out: out if isinstance(out, torch.Tensor) else out[0],
+    config_in_od_config_only=True,
+)
+
+GLM_IMAGE = Case(
+    "glm_image.GlmImageTransformer2DModel",
+    "vllm_omni.diffusion.models.glm_image.glm_image_transformer",
+    dict(
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_attention_heads=4,
+        attention_head_dim=128,
+        time_embed_dim=64,
+        condition_dim=32,
+        prior_vq_quantizer_codebook_size=64,
+        text_embed_dim=64,
+        num_layers=2,
+    ),
+    lambda: dict(
+        hidden_states=randn(1, 16, 8, 8, seed=1),
+        encoder_hidden_states=randn(1, 8, 64, seed=2),
+        prior_token_id=torch.arange(16).reshape(1, 16) % 64,
+        prior_token_drop=torch.zeros(1, 16, dtype=torch.bool),
+        timestep=torch.tensor([500]),
+        target_size=torch.tensor([[64.0, 64.0]]),
+        crop_coords=torch.tensor([[0.0, 0.0]]),
+        return_dict=False,
+    ),
+    config_in_od_config_only=True,
+)
+
+
+# Built and loaded with both methods, forward not run (tools/model_table.py's NOTES say why).
+
+HIDREAM_IMAGE = Case(
+    "hidream_image.HiDreamImageTransformer2DModel",
+    "vllm_omni.diffusion.models.hidream_image.hidream_image_transformer",
+    dict(
+        patch_size=2,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=64,
+        num_attention_heads=4,
+        caption_channels=[64, 64],
+        text_emb_dim=64,
+        num_routed_experts=2,
+        num_activated_experts=1,
+        axes_dims_rope=(32, 32),
+        llama_layers=[0],
+    ),
+    None,
+)
+
+LINGBOT_WORLD = Case(
+    "lingbot_world.CausalLingBotWorldTransformer3DModel",
+    "vllm_omni.diffusion.models.lingbot_world.transformer",
+    dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=1024,
+        num_layers=2,
+        rope_max_seq_len=64,
+    ),
+    None,
+)
+
+MINIMAX_H3 = Case(
+    "minimax_h3.MiniMaxH3DiTModel",
+    "vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer",
+    dict(
+        num_layers=2,
+        token_refiner_num_layers=1,
+        hidden_size=512,
+        num_attention_heads=4,
+        attention_head_dim=128,
+        ffn_hidden_size=1024,
+        latents_dim=16,
+        audio_latents_dim=16,
+        text_dim=64,
+        timestep_input_dim=64,
+        time_embed_hidden_size=512,
+        time_embed_dim=256,
+        adaln_out_features=18 * 512,
+        final_adaln_out_features=2 * 512,
+    ),
+    None,
+    config_in_od_config_only=True,
+)
+
+
+def _sana_wm_config() -> dict:
+    from vllm_omni.diffusion.models.sana_wm.config import SanaWmConfig
+
+    config = SanaWmConfig(
+        num_blocks=2, hidden_size=256, linear_head_dim=64, softmax_every_n=2, chunk_plucker_post_attn_blocks=2
+    )
+    return dict(config=config)
+
+
+SANA_WM = Case(
+    "sana_wm.SanaWmTransformer3DModel",
+    "vllm_omni.diffusion.models.sana_wm.sana_wm_transformer",
+    dict(latent_channels=16, prompt_channels=64, dtype=torch.bfloat16),
+    None,
+    extra=_sana_wm_config,
+)
+
+
 def _ids(n: int, axes: int, *, image: bool) -> torch.Tensor:
     """Position ids (n, axes): a 4 x (n/4) grid on the last two axes for image tokens, text
     positions on the last axis otherwise."""
@@ -517,5 +816,17 @@ CASES = {
         LTX2,
         ERNIE_IMAGE,
         HELIOS,
+        FLUX_KONTEXT,
+        MING_FLASH_OMNI,
+        MING_IMAGE,
+        WAN_VACE,
+        KREA2,
+        OMNIGEN2,
+        BOOGU_IMAGE,
+        GLM_IMAGE,
+        HIDREAM_IMAGE,
+        LINGBOT_WORLD,
+        MINIMAX_H3,
+        SANA_WM,
     )
 }
