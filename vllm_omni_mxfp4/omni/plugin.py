@@ -26,6 +26,7 @@ def register() -> None:
     from vllm_omni.quantization.factory import register_quantization_override
 
     from .._logging import attach_to_vllm_logging
+    from .defaults import install as install_family_defaults
     from .loading import install_load_guard
     from .names import install as install_name_checks
     from .nvfp4_loading import install as install_nvfp4
@@ -34,6 +35,7 @@ def register() -> None:
     register_quantization_override("mxfp4", Mxfp4QuantizationConfig.from_kwargs)
     register_quantization_override("mxfp4_dualscale", Mxfp4DualScaleQuantizationConfig.from_kwargs)
     install_name_checks()
+    install_family_defaults()  # BF16 layers of published MXFP4 recipes, when no ignored_layers is given
     install_load_guard()  # names the tensor when vLLM's loaders fail; refuses unknown quantized tensors
     install_nvfp4()  # NVFP4 checkpoints of Wan experts: requantized to MXFP4 while they load
     attach_to_vllm_logging()

@@ -19,6 +19,7 @@ from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from ..config import Mxfp4Config, Mxfp4DualScaleConfig, Precision, QuantConfig
+from ..config.defaults import FamilyDefault
 from ..kernels import KernelSelector
 from .linear import CheckedUnquantizedLinearMethod, MxLinearMethod
 from .mxfp4 import Mxfp4LinearMethod
@@ -32,6 +33,8 @@ class MxQuantizationConfig(QuantizationConfig):
 
     config_class: ClassVar[type]
     method_class: ClassVar[type[MxLinearMethod]]
+    #: The model family's BF16 default, attached where the model is built (:mod:`.defaults`).
+    family_default: FamilyDefault | None = None
 
     def __init__(self, config: QuantConfig) -> None:
         super().__init__()
@@ -88,6 +91,8 @@ class MxQuantizationConfig(QuantizationConfig):
         plan = current_plan()  # an NVFP4 checkpoint's expert: its own routes, serialized weights
         if plan is not None:
             route, config = plan.route(prefix, route), plan.config
+        elif self.family_default is not None:
+            route = self.family_default.route(route)
         if route.precision is Precision.BF16:
             return CheckedUnquantizedLinearMethod(route, config)
         if route.precision is Precision.W8A8:  # a layer the checkpoint stores as MXFP8 (mxfp8_layers)

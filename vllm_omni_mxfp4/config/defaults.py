@@ -1,0 +1,63 @@
+"""BF16 layers kept by default per model family, where a published MXFP4 recipe keeps them.
+
+One table, :data:`FAMILY_DEFAULTS`: per vLLM-Omni transformer class, the runtime Linear names a
+published recipe leaves unquantized, and the recipe. A default applies to online quantization only
+(an offline checkpoint's ``ignored_layers`` say what it stores), and only when the user's config
+lists no ``ignored_layers``: any list the user gives replaces it. Where the model builds a listed
+layer without a quantization config (it is BF16 anyway) the entry changes nothing.
+
+Only MXFP4 recipes are taken: msModelSlim's (Ascend's producer of MXFP4 checkpoints). Its
+Wan2.2 recipe keeps blocks 0-4 in W8A8, not BF16 (Wan's leading-block rule,
+``num_bf16_fallback_layers``, is upstream vLLM-Omni's own default and stays as it is). ModelOpt's
+diffusers recipes (FLUX, LTX-2, Wan, Qwen-Image) are NVFP4/FP8 recipes and are not applied; the
+user guide lists what they keep, for users who want to write them into ``ignored_layers``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from types import MappingProxyType
+
+from .routing import LayerRoute, Precision
+
+
+@dataclass(frozen=True)
+class FamilyDefault:
+    """The BF16 default of one transformer class: ``bf16`` are ``fnmatch`` patterns over runtime
+    Linear names (the recipe's own patterns where its names are the runtime ones), ``source`` the
+    published recipe they come from."""
+
+    model: str
+    module: str
+    bf16: tuple[str, ...]
+    source: str
+
+    @property
+    def class_name(self) -> str:
+        return self.model.split(".")[-1]
+
+    def matches(self, prefix: str) -> bool:
+        """Whether the Linear at runtime path ``prefix`` stays BF16 under this default."""
+        return any(fnmatchcase(prefix, pattern) for pattern in self.bf16)
+
+    def route(self, route: LayerRoute) -> LayerRoute:
+        """``route`` turned BF16 when this default names its layer (a BF16 route stays as it is)."""
+        if route.precision is Precision.BF16 or not self.matches(route.prefix):
+            return route
+        reason = (
+            f"kept BF16 by the {self.class_name} default ({self.source}); give ignored_layers to override"
+        )
+        return LayerRoute(Precision.BF16, (), reason, route.prefix)
+
+
+QWEN_IMAGE = FamilyDefault(
+    model="qwen_image.QwenImageTransformer2DModel",
+    module="vllm_omni.diffusion.models.qwen_image.qwen_image_transformer",
+    # vLLM-Omni builds img_mod.1 / txt_mod.1 without a quantization config: BF16 already
+    bf16=("*txt_mlp.net.2*", "*img_mod.1*", "*txt_mod.1*"),
+    source="msModelSlim 26.1 lab_practice/qwen_image_edit/qwen-image-edit-w4a4f4-mxfp.yaml, linear_quant exclude",
+)
+
+FAMILY_DEFAULTS = MappingProxyType({d.model: d for d in (QWEN_IMAGE,)})
+"""Transformer class (``package.Class`` as in docs/models.md) -> its BF16 default."""
