@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.layers import checkpoint_variant, offline_dirs, tiny_dir
+from tests.support.layers import checkpoint_variant, mxfp8_dir, offline_dirs, tiny_dir
 from tests.support.models import table_tool
 from vllm_omni_mxfp4.cli import main
 from vllm_omni_mxfp4.inspection import format_table, inspect_path
 
-__all__ = ["offline_dirs", "tiny_dir"]  # module fixtures
+__all__ = ["mxfp8_dir", "offline_dirs", "tiny_dir"]  # module fixtures
 
 pytestmark = pytest.mark.omni
 
@@ -122,6 +122,34 @@ def test_nvfp4_exports_are_detected_and_described(fixture, layer, method, precis
     assert (row.method, row.precision) == (method, precision)
     assert reason in row.reason
     assert rows(component)["proj_out"].method == "bf16"
+
+
+def test_mxfp8_layers_of_an_offline_checkpoint(mxfp8_dir, tmp_path):
+    """Block 0 stored as MXFP8 W8A8 (listed in mxfp8_layers), block 1 MXFP4; then a NaN code."""
+    report = inspect_path(mxfp8_dir)
+    assert report.ok, report.problems
+    by_name = rows(only(report))
+    fp8 = by_name["blocks.0.attn2.to_q"]
+    assert (fp8.method, fp8.precision, fp8.label) == ("mxfp8", "w8a8", "W8A8")
+    assert {t.role: (t.dtype, t.shape) for t in fp8.tensors} == {
+        "weight": ("F8_E4M3", (512, 512)),
+        "weight_scale": ("U8", (512, 16)),
+        "bias": ("BF16", (512,)),
+    }
+    assert (by_name["blocks.1.attn2.to_q"].method, by_name["blocks.1.attn2.to_q"].precision) == (
+        "mxfp4",
+        "w4a4",
+    )
+
+    def nan_code(data):
+        codes = data["blocks.0.attn2.to_q.weight"].view(torch.uint8).clone()
+        codes[3, 5] = 0x7F
+        data["blocks.0.attn2.to_q.weight"] = codes.view(torch.float8_e4m3fn)
+
+    bad = checkpoint_variant(mxfp8_dir, tmp_path / "m", tensors=nan_code)
+    assert_problem(
+        inspect_path(bad), "blocks.0.attn2.to_q", r"blocks\.0\.attn2\.to_q\.weight: holds 0x7F at \[3, 5\]"
+    )
 
 
 def test_a_layer_kept_bf16_and_listed_in_ignored_layers_is_valid(offline_dirs, tiny_dir, tmp_path):

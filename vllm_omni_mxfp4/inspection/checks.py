@@ -87,7 +87,7 @@ def _value_problem(ref: TensorRef, record: spec.CheckpointTensor) -> str | None:
     if found is None:
         return None
     at, value = found
-    shown = f"0x{int(value):02X}" if ref.dtype == "U8" else repr(value)
+    shown = f"0x{int(value):02X}" if ref.dtype in ("U8", "F8_E4M3") else repr(value)  # codes
     return f"{ref.name}: holds {shown} at {at}; expected {rule.expected}; usual cause: {rule.cause}"
 
 
