@@ -166,3 +166,18 @@ def test_an_mxfp8_weight_at_a_layer_missing_from_mxfp8_layers_names_the_key(vllm
     assert message.startswith(f"{PREFIX}.weight: numeric weight holds values that are not FP4 E2M1 numbers")
     assert "a float8_e4m3fn weight off that grid is an MXFP8 W8A8 layer's" in message
     assert "mxfp8_layers" not in _refused(vllm_env, "weight", ckpt["weight"].float().to(torch.bfloat16), spec)
+
+
+def test_column_parallel_shards_take_their_rows_of_weight_and_scale(vllm_env, as_rank):
+    ckpt, b, x = _ckpt(95)
+    full = build(vllm_env, SPEC, ckpt, bias=b)
+    outs = []
+    for rank in range(2):
+        as_rank(rank, 2)
+        layer = build(vllm_env, SPEC, ckpt, bias=b)
+        rows = slice(rank * N // 2, (rank + 1) * N // 2)
+        assert torch.equal(layer.weight.view(torch.uint8), ckpt["weight"][rows].view(torch.uint8))
+        assert torch.equal(layer.weight_scale, ckpt["weight_scale"][rows])
+        with vllm_env.context(), torch.no_grad():
+            outs.append(layer.quant_method.apply(layer, x, layer.bias))
+    assert torch.equal(torch.cat(outs, dim=-1), run(vllm_env, full, x))
