@@ -107,7 +107,7 @@ MEASURED: dict[str, dict] = {
         "contribution": {"mxfp4": 0.96911, "mxfp4_dualscale": 0.97481},
     },
     "qwen_image.QwenImageTransformer2DModel": {
-        "quantized": 16,
+        "quantized": 14,
         "plain": [],
         "unquantized": [
             "img_in",
@@ -116,6 +116,7 @@ MEASURED: dict[str, dict] = {
             "time_text_embed.timestep_embedder.linear_1",
             "time_text_embed.timestep_embedder.linear_2",
             "transformer_blocks.*.img_mod.*",
+            "transformer_blocks.*.txt_mlp.net.*",
             "transformer_blocks.*.txt_mod.*",
             "txt_in",
         ],
@@ -124,8 +125,8 @@ MEASURED: dict[str, dict] = {
             "to_qkv": ["to_q", "to_k", "to_v"],
             "add_kv_proj": ["add_q_proj", "add_k_proj", "add_v_proj"],
         },
-        "cosine": {"mxfp4": 0.99859, "mxfp4_dualscale": 0.99856},
-        "contribution": {"mxfp4": 0.9686, "mxfp4_dualscale": 0.96824},
+        "cosine": {"mxfp4": 0.9986, "mxfp4_dualscale": 0.9985},
+        "contribution": {"mxfp4": 0.96888, "mxfp4_dualscale": 0.96715},
     },
     "flux.FluxTransformer2DModel": {
         "quantized": 3,
@@ -658,6 +659,9 @@ NOTES: dict[str, str] = {
     "flux.FluxTransformer2DModel": "vLLM-Omni builds the double-stream blocks with "
     "`safe_quant_config(quant_config)`, which is None for online methods: only the single-stream "
     "blocks' Linears quantize (3 per block)",
+    "qwen_image.QwenImageTransformer2DModel": "`transformer_blocks.*.txt_mlp.net.2` stays BF16 by the "
+    "family default (msModelSlim's Qwen-Image-Edit MXFP4 recipe; `config/defaults.py`) unless the config "
+    "gives `ignored_layers`; vLLM-Omni builds `img_mod` / `txt_mod` without the config",
     "flux.FluxKontextTransformer2DModel": "a subclass of `FluxTransformer2DModel` (its constructor and "
     "Linears): as FLUX.1, only the single-stream blocks quantize online",
     "flux2.Flux2Transformer2DModel": "`ff.linear_in` and `ff_context.linear_in` are fused runtime "
@@ -847,7 +851,7 @@ def render(transformers: list[Transformer] | None = None) -> str:
         "",
         "## Measured online",
         "",
-        "| transformer | Linears quantized | BF16: `nn.Linear` | BF16: vLLM Linear without config |"
+        "| transformer | Linears quantized | BF16: `nn.Linear` | BF16: vLLM Linear (no config, or a family default) |"
         " fused (runtime; <- checkpoint names) | cosine vs BF16 (of the quantized Linears' contribution) |"
         " notes |",
         "|---|---|---|---|---|---|---|",

@@ -16,7 +16,11 @@ from tests.support.models import Z_IMAGE, build, forward, load_from, randomize
 from vllm_omni_mxfp4.omni.shapes import check_quantizable
 
 ODD_Z_IMAGE = dataclasses.replace(Z_IMAGE, config=dict(Z_IMAGE.config, dim=512, n_heads=4, n_kv_heads=4))
-ODD_LAYERS = ["noise_refiner.0.feed_forward.w2", "context_refiner.0.feed_forward.w2", "layers.0.feed_forward.w2"]
+ODD_LAYERS = [
+    "noise_refiner.0.feed_forward.w2",
+    "context_refiner.0.feed_forward.w2",
+    "layers.0.feed_forward.w2",
+]
 
 
 @pytest.mark.parametrize("method", ["mxfp4", "mxfp4_dualscale"])
