@@ -113,3 +113,14 @@ def test_the_checkpoint_block_lists_the_mxfp8_layers(mxfp8_dir):
     qc = json.loads((mxfp8_dir / "transformer" / "config.json").read_text())["quantization_config"]
     assert qc["mxfp8_layers"][:2] == ["blocks.0.attn1.to_out", "blocks.0.attn1.to_qkv"]
     assert len(qc["mxfp8_layers"]) == 8
+
+
+def test_a_runtime_method_with_w4a8_steps_keeps_the_checkpoints_mxfp8_layers(vllm_env, mxfp8_dir):
+    """vLLM-Omni rebuilds an online runtime config from the serialized checkpoint's (storage from the
+    checkpoint, W4A8 steps from the runtime): block 0 stays W8A8, the steps apply to block 1 only."""
+    model = build_expert(vllm_env, mxfp8_dir, {"method": "mxfp4", "w4a8_fallback_steps": [0]})
+    layers = quantized_layers(model)
+    route0 = layers["blocks.0.ffn.net_2"].quant_method.route
+    assert route0.precision is Precision.W8A8 and route0.a8_steps == ()
+    assert "W4A8 fallback steps [0] do not apply to MXFP8 layers" in route0.reason
+    assert layers["blocks.1.ffn.net_2"].quant_method.route.a8_steps == (0,)
