@@ -152,6 +152,28 @@ def test_mxfp8_layers_of_an_offline_checkpoint(mxfp8_dir, tmp_path):
     )
 
 
+def test_converted_nvfp4_checkpoint_is_offline_mxfp4(tmp_path):
+    """``vllm-omni-mxfp4 convert``'s output: offline mxfp4 that auto-detection picks, the FP8 layer of
+    the mixed export kept BF16 and listed in ignored_layers."""
+    from vllm_omni_mxfp4.convert import convert
+
+    convert(FIXTURES / "mixed", tmp_path / "converted")
+    report = inspect_path(tmp_path / "converted")
+    assert report.ok, report.problems
+    component = only(report)
+    assert (component.method, component.mode) == ("mxfp4", "offline")
+    by_name = rows(component)
+    assert (by_name[QKV].method, by_name[QKV].precision) == ("mxfp4", "w4a4")
+    assert {t.role: t.dtype for t in by_name[QKV].tensors} == {
+        "weight": "U8",
+        "weight_scale": "U8",
+        "bias": "BF16",
+    }
+    ffn = by_name["blocks.0.ffn.net_2"]
+    assert (ffn.method, ffn.reason) == ("bf16", "listed in ignored_layers")
+    assert {t.role: t.dtype for t in ffn.tensors} == {"weight": "BF16", "bias": "BF16"}
+
+
 def test_a_layer_kept_bf16_and_listed_in_ignored_layers_is_valid(offline_dirs, tiny_dir, tmp_path):
     model = _bf16_layer(offline_dirs["mxfp4"], tiny_dir, tmp_path / "bf16_layer")
     report = inspect_path(model)
