@@ -160,3 +160,30 @@ def variant(
         tensors(stored)
         save_file(stored, str(sub / "diffusion_pytorch_model.safetensors"), {"format": "pt"})
     return root
+
+
+def nvfp4_pipeline(src: Path, dst: Path) -> Path:
+    """A copy of the diffusers Wan2.2 pipeline ``src`` whose experts are NVFP4 checkpoints written by
+    compressed-tensors itself (``producers/compressed.py``): every 2-D weight of the blocks packed,
+    the condition embedders and ``proj_out`` left in BF16 and listed in ``ignore``."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from tests.nvfp4.producers.compressed import ct_config, ct_layer
+
+    shutil.copytree(src, dst)
+    for sub in ("transformer", "transformer_2"):
+        files = sorted((dst / sub).glob("*.safetensors"))
+        for path in files:
+            tensors = load_file(str(path))
+            for key in [k for k in tensors if k.startswith("blocks.") and k.endswith(".weight")]:
+                if tensors[key].dim() == 2:
+                    tensors.update(
+                        {f"{key[: -len('weight')]}{k}": v for k, v in ct_layer(tensors.pop(key)).items()}
+                    )
+            save_file(tensors, str(path), {"format": "pt"})
+        cfg = json.loads((dst / sub / "config.json").read_text())
+        cfg["quantization_config"] = ct_config(["re:condition_embedder.*", "proj_out"])
+        (dst / sub / "config.json").write_text(json.dumps(cfg))
+    return dst

@@ -54,6 +54,7 @@ from ..sources.nvfp4 import (
     detect_nvfp4,
     load_mul_scale,
     load_nvfp4_weight,
+    parse_quant_config,
     read_checkpoint_headers,
 )
 
@@ -68,6 +69,7 @@ kernel (packed E2M1 + E8M0, prepared like any offline checkpoint): no kernel's `
 looks at how the weight exponents were chosen, so the most accurate rule always runs."""
 
 W4A16_ALGO = "W4A16_NVFP4"
+_INSTALLED = "_vllm_omni_mxfp4_nvfp4"
 
 _BUILDING: ContextVar[Nvfp4Plan | None] = ContextVar("vllm_omni_mxfp4_nvfp4_plan", default=None)
 
@@ -220,20 +222,46 @@ def _planning_create(original: Callable) -> Callable:
     return run
 
 
+def _tolerant_from_dict(original: Callable) -> Callable:
+    """``TransformerConfig.from_dict`` that keeps an NVFP4 producer config it cannot build (vLLM-Omni
+    0.30 looks compressed-tensors up as ``compressed_tensors`` and fails at start-up) as a method
+    name without a config: the expert's build reads it (:func:`plan_component`) or fails there."""
+
+    def run(cls: type, data: dict) -> Any:
+        try:
+            return original.__func__(cls, data)
+        except ValueError as exc:
+            qc = data.get("quantization_config") if isinstance(data, dict) else None
+            if not isinstance(qc, dict) or parse_quant_config(qc, "config.json quantization_config") is None:
+                raise
+            logger.info("NVFP4 checkpoint: vLLM-Omni cannot build its quantization_config (%s); "
+                        "vllm-omni-mxfp4 reads it when a Wan expert is built with mxfp4", exc)  # fmt: skip
+            return cls(params=dict(data), quant_method=qc.get("quant_method"), quant_config=None)
+
+    return run
+
+
 def install() -> None:
-    """Wrap the Wan2.2 pipelines' ``_create_transformer`` (T2V, I2V, VACE); idempotent."""
+    """Wrap the Wan2.2 pipelines' ``_create_transformer`` (T2V, I2V, VACE) and vLLM-Omni's
+    ``TransformerConfig.from_dict``; idempotent."""
+    from vllm_omni.diffusion import data
     from vllm_omni.diffusion.models.wan2_2 import pipeline_wan2_2, pipeline_wan2_2_i2v, pipeline_wan2_2_vace
 
+    original = data.TransformerConfig.__dict__["from_dict"]
+    if not getattr(original.__func__, _INSTALLED, False):
+        wrapper = functools.wraps(original.__func__)(_tolerant_from_dict(original))
+        setattr(wrapper, _INSTALLED, True)
+        data.TransformerConfig.from_dict = classmethod(wrapper)
     for pipeline in (
         pipeline_wan2_2.Wan22Pipeline,
         pipeline_wan2_2_i2v.Wan22I2VPipeline,
         pipeline_wan2_2_vace.Wan22VACEPipeline,
     ):
         original = pipeline._create_transformer
-        if getattr(original, "_mx_nvfp4", False):
+        if getattr(original, _INSTALLED, False):
             continue
         wrapper = functools.wraps(original)(_planning_create(original))
-        wrapper._mx_nvfp4 = True
+        setattr(wrapper, _INSTALLED, True)
         pipeline._create_transformer = wrapper
 
 

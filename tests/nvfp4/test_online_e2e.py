@@ -1,0 +1,116 @@
+"""End to end: an NVFP4 pipeline served with ``mxfp4`` by ``Omni(...)`` and ``vllm serve --omni`` on
+the CPU platform (subprocess engines, each bounded in its own process group).
+
+The pipeline is the demo's tiny two-expert Wan2.2 with both experts' block Linears packed to NVFP4
+by compressed-tensors itself (:func:`tests.nvfp4.checkpoints.nvfp4_pipeline`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.nvfp4.checkpoints import nvfp4_pipeline
+from tests.platform.omni_procs import (
+    Job,
+    RunFailed,
+    log_tail,
+    omni_installed,
+    reap_group,
+    run_engine_job,
+    serve_command,
+    subprocess_env,
+    wait_until_healthy,
+)
+from tests.support.ports import free_port
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.omni,
+    pytest.mark.skipif(not omni_installed(), reason="vllm / vllm-omni not installed"),
+]
+
+ENGINE_DEADLINE_S = 500.0
+BLOCK_LINEARS = 20  # 2 blocks x (attn1 q/k/v/out, attn2 q/k/v/out, ffn net.0.proj, net.2) per expert
+
+
+@pytest.fixture(scope="module")
+def bf16_dir() -> Path:
+    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
+
+    return build_tiny_wan(2)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_dir(bf16_dir, tmp_path_factory) -> Path:
+    return nvfp4_pipeline(bf16_dir, tmp_path_factory.mktemp("nvfp4") / "wan")
+
+
+def run(tmp: Path, model: Path, **kwargs) -> tuple[np.ndarray, dict]:
+    job = Job(str(model), str(tmp), omni_kwargs=kwargs, steps=2, report=True)
+    result = run_engine_job(job, timeout=ENGINE_DEADLINE_S, env=subprocess_env())
+    return np.load(tmp / "frames_0.npy"), result
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_omni_serves_the_nvfp4_pipeline_requantized(bf16_dir, nvfp4_dir, tmp_path):
+    frames, result = run(tmp_path / "nvfp4", nvfp4_dir, quantization="mxfp4")
+    reference, _ = run(tmp_path / "bf16", bf16_dir)
+    assert frames.shape == reference.shape and np.isfinite(frames).all()
+    assert cosine(frames, reference) > 0.98
+    reports = {t["name"]: t for t in result["transformers"]}
+    assert sorted(reports) == ["transformer", "transformer_2"]
+    for report in reports.values():
+        assert {(e["method"], e["mode"]) for e in report["linears"]} == {("mxfp4", "offline")}
+        requantized = [r for r in report["nvfp4"] if r["action"] == "requantize"]
+        assert len(requantized) == BLOCK_LINEARS == len(report["nvfp4"])
+        assert {r["rule"] for r in requantized} == {"mse"}
+        assert all(0 < r["rel_rms"] < 0.2 for r in requantized)
+
+
+def test_vllm_serve_starts_on_the_nvfp4_pipeline(nvfp4_dir, tmp_path):
+    if importlib.util.find_spec("torchaudio") is None:
+        pytest.skip("torchaudio is not installed; vLLM-Omni's API server cannot start without it")
+    port, log = free_port(), tmp_path / "server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, *serve_command(nvfp4_dir, port)[1:], "--quantization", "mxfp4"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=subprocess_env(),
+            start_new_session=True,
+        )
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", server, log, ENGINE_DEADLINE_S)
+    finally:
+        leftover = reap_group(server, settle=30.0)
+    assert not leftover, f"server processes {leftover} outlived SIGTERM by 30s"
+    text = log.read_text()
+    assert "transformer: NVFP4 checkpoint by compressed-tensors" in text, log_tail(log)
+    assert "loaded: 20 requantize (rule mse)" in text, log_tail(log)
+
+
+def test_a_refused_layer_stops_the_engine_naming_it(nvfp4_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    refused = tmp_path / "refused"
+    shutil.copytree(nvfp4_dir, refused)
+    path = next((refused / "transformer_2").glob("*.safetensors"))
+    tensors = load_file(str(path))
+    tensors["blocks.1.attn2.to_v.svdquant_lora_a"] = tensors["blocks.1.attn2.to_v.weight_scale"][:4].float()
+    save_file(tensors, str(path), {"format": "pt"})
+    with pytest.raises(RunFailed):
+        run(tmp_path / "out", refused, quantization="mxfp4")
+    log = (tmp_path / "out" / "engine.log").read_text()
+    assert "blocks.1.attn2.to_v: SVDQuant low-rank branch (svdquant_lora_a)" in log, log[-3000:]
