@@ -95,3 +95,15 @@ def test_an_entry_naming_no_linear_is_refused_by_the_model_name_check():
     message = str(info.value)
     assert "mxfp8_layers entry 'blocks.0.attn1.to_qkvv' matches no Linear of transformer" in message
     assert "Did you mean 'blocks.0.attn1.to_qkv'?" in message
+
+
+def test_an_entry_naming_a_plain_linear_is_refused():
+    config = offline(mxfp8_layers=["proj_out"], ignored_layers=["condition_embedder.x"])
+    linears = LINEARS | {"proj_out", "condition_embedder.x"}
+    check_model_names(offline(ignored_layers=["proj_out"]), linears, 2, plain={"proj_out"})  # BF16: fine
+    with pytest.raises(ValueError) as info:
+        check_model_names(config, linears, 2, model="transformer", plain={"proj_out", "condition_embedder.x"})
+    assert str(info.value).startswith(
+        "mxfp8_layers entry 'proj_out' is a plain torch.nn.Linear of transformer, which vLLM-Omni builds "
+        "without a quantization method"
+    )

@@ -124,3 +124,12 @@ def test_a_runtime_method_with_w4a8_steps_keeps_the_checkpoints_mxfp8_layers(vll
     assert route0.precision is Precision.W8A8 and route0.a8_steps == ()
     assert "W4A8 fallback steps [0] do not apply to MXFP8 layers" in route0.reason
     assert layers["blocks.1.ffn.net_2"].quant_method.route.a8_steps == (0,)
+
+
+def test_mxfp8_layers_naming_a_plain_linear_is_refused_at_build(vllm_env, mxfp8_dir, tmp_path):
+    def add_proj_out(config):
+        config["quantization_config"]["mxfp8_layers"].append("proj_out")
+
+    bad = checkpoint_variant(mxfp8_dir, tmp_path / "bad", config=add_proj_out)
+    with pytest.raises(ValueError, match="mxfp8_layers entry 'proj_out' is a plain torch.nn.Linear of the"):
+        build_expert(vllm_env, bad, None)

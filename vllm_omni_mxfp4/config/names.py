@@ -46,20 +46,31 @@ def check_model_names(
     *,
     model: str = "the model",
     unverifiable: Iterable[str] = (),
+    plain: Collection[str] = (),
 ) -> None:
-    """Refuse layer-list entries that name no Linear of the built model, and a
-    ``num_bf16_fallback_layers`` larger than its block count.
+    """Refuse layer-list entries that name no Linear of the built model, ``mxfp8_layers`` entries
+    naming a plain Linear, and a ``num_bf16_fallback_layers`` larger than its block count.
 
     ``linears``: the runtime paths of the model's Linear layers (what ``get_quant_method`` saw).
     ``num_blocks``: its number of transformer blocks (``None``: unknown, not checked).
     ``unverifiable``: module prefixes this process did not build (pipeline-parallel slots of other
     ranks); entries under them are left to the rank that builds them.
+    ``plain``: those of ``linears`` the model builds as plain ``torch.nn.Linear`` (no quantization
+    method: BF16 whatever the config says). Listing one in ``ignored_layers`` is harmless, but an
+    ``mxfp8_layers`` entry would load MXFP8 bytes into a BF16 weight.
     """
     skipped = tuple(prefix + "." for prefix in unverifiable)
     for key, names in layer_lists(config).items():
         for name in names:
             if name not in linears and not name.startswith(skipped):
                 raise _unknown_layer(key, name, linears, model)
+    for name in getattr(config, "mxfp8_layers", ()):
+        if name in plain:
+            raise ValueError(
+                f"mxfp8_layers entry {name!r} is a plain torch.nn.Linear of {model}, which vLLM-Omni builds "
+                "without a quantization method: it runs in BF16 and cannot load MXFP8 tensors. Remove it "
+                "from mxfp8_layers and store this layer's original BF16 weight."
+            )
     leading = getattr(config, "num_bf16_fallback_layers", None)
     if num_blocks is None or leading is None or config.is_serialized or leading <= num_blocks:
         return

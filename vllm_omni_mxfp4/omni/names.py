@@ -58,6 +58,7 @@ def check_built_model(model: torch.nn.Module, quant_config: Any) -> None:
     # Plain nn.Linear layers (Wan's condition embedders, proj_out) are Linears of the model too: they
     # run in BF16 whatever the config says, so listing them (as merged checkpoints do) is not a typo.
     linears = {name for name, module in modules.items() if isinstance(module, (LinearBase, torch.nn.Linear))}
+    plain = {name for name in linears if not isinstance(modules[name], LinearBase)}
     missing = [name for name, module in modules.items() if isinstance(module, PPMissingLayer)]
     blocks = getattr(model, "blocks", None)
     num_blocks = len(blocks) if isinstance(blocks, torch.nn.ModuleList) else None
@@ -67,6 +68,7 @@ def check_built_model(model: torch.nn.Module, quant_config: Any) -> None:
         num_blocks,
         model=f"the {type(model).__name__} vLLM-Omni built",
         unverifiable=missing,
+        plain=plain,
     )
 
 
