@@ -224,6 +224,12 @@ IMPORT_RULES = (
         why="the offline convert runs without the serving engine: formats' numerics, sources' layouts, "
         "checkpoint's writer and staging",
     ),
+    ImportRule(
+        f"{P}.models",
+        ("torch", "vllm", "vllm_omni", f"{P}.omni", f"{P}.kernels", f"{P}.checkpoint"),
+        why="a model's runtime names come from inspection's build of vLLM-Omni's class, as plain data for "
+        "the torch-free merge (which imports models lazily, never the other way round)",
+    ),
     *(
         ImportRule(
             f"{P}.inspection.{module}",

@@ -204,12 +204,12 @@ def test_partial_bf16_fallback_in_fused_qkv(expert_copy, tmp_path, dual_export):
             tensors[f"{prefix}.{leaf}"] = state[f"blocks.1.attn1.to_k.{leaf}"]
             entries[f"{prefix}.{leaf}"] = "FLOAT"
 
-    message = r"fused self-attention blocks\.1\.attn1 \(export blocks\.1\.self_attn\): partial BF16 fallback \(to_q, to_v quantized, to_k BF16\)"
+    message = r"fused blocks\.1\.attn1\.to_qkv \(export blocks\.1\.self_attn\): partial BF16 fallback \(to_q, to_v quantized, to_k BF16\); vLLM-Omni fuses to_q, to_k, to_v into blocks\.1\.attn1\.to_qkv"
     assert_refused(expert_copy, tmp_path, message, k_to_bf16)
 
 
 def test_qkv_with_different_mul_scale(expert_copy, tmp_path):
-    message = r"blocks\.1\.attn1 .*: Q/K/V have different mul_scale tensors"
+    message = r"blocks\.1\.attn1\.to_qkv .*: to_q/to_k/to_v have different mul_scale tensors"
     assert_refused(
         expert_copy, tmp_path, message, replace("blocks.1.self_attn.v.div.mul_scale", lambda t: t * 2)
     )
@@ -225,7 +225,7 @@ def test_qkv_with_smooth_on_some_only(expert_copy, tmp_path):
             entries[f"{prefix}.{leaf}"] = entries.pop(f"{prefix}.linear.{leaf}")
 
     assert_refused(
-        expert_copy, tmp_path, r"blocks\.1\.attn1 .*: Smooth mul_scale on to_q, to_k only", unwrap_v
+        expert_copy, tmp_path, r"blocks\.1\.attn1\.to_qkv .*: Smooth mul_scale on to_q, to_k only", unwrap_v
     )
 
 

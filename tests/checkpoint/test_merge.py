@@ -302,7 +302,10 @@ def test_auto_detects_i2v_and_rejects_unknown_pipelines(tmp_path, dual_export):
     assert report.model_type == "Wan2.2-I2V-A14B"
     index["_class_name"] = "FluxPipeline"
     (original / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="cannot infer the model type from _class_name 'FluxPipeline'"):
+    supported = "QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline, WanImageToVideoPipeline, WanPipeline"
+    with pytest.raises(
+        CheckpointError, match=rf"pipeline class 'FluxPipeline' is not one the merge supports \({supported}\)"
+    ):
         merge("auto", original, dual_export.quant, tmp_path / "out", dry_run=True)
     with pytest.raises(
         CheckpointError, match=r"lists transformers \['transformer', 'transformer_2'\], but Wan2.2-TI2V-5B"

@@ -1,4 +1,4 @@
-"""Merge an msModelSlim MXFP4 export into a diffusers Wan2.2 pipeline directory.
+"""Merge an msModelSlim MXFP4 export into a diffusers pipeline directory (Wan2.2, Qwen-Image family).
 
 The output is the original pipeline with each quantized transformer replaced: the diffusers tensor
 names, the quantized tensors (``weight``, ``weight_scale``, ``weight_dual_scale``, ``mul_scale``,
@@ -8,6 +8,11 @@ Every other file of the pipeline is copied byte for byte.
 
 Validation runs first, for all transformers, then the output is built in a staging directory beside
 the target and renamed into place at the end (see :mod:`.staging`).
+
+The names of each transformer's tensors at runtime (fused layers, Linears the model keeps in BF16,
+the names ``ignored_layers`` uses) come from vLLM-Omni's own model class: a names provider
+(by default :func:`vllm_omni_mxfp4.models.derive_names`, which imports vLLM-Omni) turns the
+original's ``config.json`` and tensor names into plain data (:class:`~.names.ModelNames`).
 """
 
 from __future__ import annotations
@@ -18,14 +23,16 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 from . import staging
 from .errors import CheckpointError, read_json_object, require_regular_file
+from .names import DIFFUSERS_EXPORT_NAMES, WAN_EXPORT_NAMES, ModelNames
 from .plan import (
     DESCRIPTION_NAME,
     MXFP8_POLICIES,
@@ -35,9 +42,11 @@ from .plan import (
     TransformerPlan,
     TransformerReport,
     check_original_unquantized,
+    original_config,
     plan_transformer,
 )
 from .safetensors_io import copy_range, write_checkpoint
+from .validate import original_archive
 
 logger = logging.getLogger(__name__)
 
@@ -59,19 +68,40 @@ class TransformerSource:
         return quant if self.export_subdir is None else quant / self.export_subdir
 
 
-#: model type -> its transformers (two experts for the A14B models, one for TI2V-5B).
-MODEL_TYPES: dict[str, tuple[TransformerSource, ...]] = {
-    "Wan2.2-T2V-A14B": (
-        TransformerSource("transformer", "high_noise_model"),
-        TransformerSource("transformer_2", "low_noise_model"),
-    ),
-    "Wan2.2-I2V-A14B": (
-        TransformerSource("transformer", "high_noise_model"),
-        TransformerSource("transformer_2", "low_noise_model"),
-    ),
-    "Wan2.2-TI2V-5B": (TransformerSource("transformer", None),),
+@dataclass(frozen=True)
+class ModelType:
+    """A model msModelSlim quantizes and vLLM-Omni serves: its diffusers pipeline classes
+    (``model_index.json`` ``_class_name``), its transformers' class, how the export names tensors
+    (:data:`~.names.EXPORT_NAMINGS`) and where each transformer is."""
+
+    pipelines: tuple[str, ...]
+    transformer_class: str
+    export_names: str
+    transformers: tuple[TransformerSource, ...]
+
+
+_ONE = (TransformerSource("transformer", None),)
+_EXPERTS = (
+    TransformerSource("transformer", "high_noise_model"),
+    TransformerSource("transformer_2", "low_noise_model"),
+)
+_WAN = "WanTransformer3DModel"
+_QWEN = "QwenImageTransformer2DModel"
+#: model type (msModelSlim's ``--model_type`` spelling where it has one) -> what the merge needs.
+MODEL_TYPES: dict[str, ModelType] = {
+    "Wan2.2-T2V-A14B": ModelType(("WanPipeline",), _WAN, WAN_EXPORT_NAMES, _EXPERTS),
+    "Wan2.2-I2V-A14B": ModelType(("WanImageToVideoPipeline",), _WAN, WAN_EXPORT_NAMES, _EXPERTS),
+    "Wan2.2-TI2V-5B": ModelType(("WanPipeline",), _WAN, WAN_EXPORT_NAMES, _ONE),
+    "Qwen-Image": ModelType(("QwenImagePipeline",), _QWEN, DIFFUSERS_EXPORT_NAMES, _ONE),
+    "Qwen-Image-Edit": ModelType(("QwenImageEditPipeline",), _QWEN, DIFFUSERS_EXPORT_NAMES, _ONE),
+    "Qwen-Image-Edit-2509": ModelType(("QwenImageEditPlusPipeline",), _QWEN, DIFFUSERS_EXPORT_NAMES, _ONE),
 }
-_TWO_EXPERT_PIPELINES = {"WanPipeline": "Wan2.2-T2V-A14B", "WanImageToVideoPipeline": "Wan2.2-I2V-A14B"}
+#: ``(pipeline class, transformer class, config.json, tensors) -> data``: a transformer's runtime names
+#: as plain data (:meth:`ModelNames.from_dict`); ``tensors`` maps each original tensor name to its
+#: (safetensors dtype, shape).
+NamesProvider = Callable[
+    [str | None, str, Mapping[str, Any], Mapping[str, tuple[str, tuple[int, ...]]]], dict
+]
 _SKIPPED_DIRS = frozenset({".git", ".cache"})
 
 
@@ -113,26 +143,37 @@ def _listed_transformers(index: dict) -> list[str]:
     return names
 
 
+def _auto_model_type(index: dict, listed: list[str], where: Path) -> str:
+    """The model type whose pipeline class and transformers ``model_index.json`` names."""
+    pipeline = index.get("_class_name")
+    for name, model in MODEL_TYPES.items():
+        if pipeline in model.pipelines and listed == [source.folder for source in model.transformers]:
+            return name
+    supported = sorted({p for model in MODEL_TYPES.values() for p in model.pipelines})
+    if pipeline not in supported:
+        raise CheckpointError(
+            f"{where}: pipeline class {pipeline!r} is not one the merge supports ({', '.join(supported)}); "
+            f"msModelSlim's MXFP4 exports of these models merge; pass --model-type {'|'.join(MODEL_TYPES)} "
+            "only for one of them"
+        )
+    raise CheckpointError(
+        f"{where}: cannot infer the model type from _class_name {pipeline!r} with transformers {listed}; "
+        f"pass --model-type {'|'.join(MODEL_TYPES)}"
+    )
+
+
 def resolve_model_type(model_type: str, original: Path) -> str:
     """The concrete model type: ``model_type`` itself (checked against ``model_index.json``) or, for
-    ``auto``, the one ``model_index.json`` describes."""
+    ``auto``, the one ``model_index.json`` describes (its pipeline class and transformers)."""
     index = _read_model_index(original)
     listed = _listed_transformers(index)
     if model_type == AUTO:
-        pipeline = index.get("_class_name")
-        if listed == ["transformer", "transformer_2"] and pipeline in _TWO_EXPERT_PIPELINES:
-            return _TWO_EXPERT_PIPELINES[pipeline]
-        if listed == ["transformer"] and pipeline == "WanPipeline":
-            return "Wan2.2-TI2V-5B"
-        raise CheckpointError(
-            f"{original / 'model_index.json'}: cannot infer the model type from _class_name {pipeline!r} with "
-            f"transformers {listed}; pass --model-type {'|'.join(MODEL_TYPES)}"
-        )
+        return _auto_model_type(index, listed, original / "model_index.json")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(
             f"unknown model type {model_type!r}; expected one of {', '.join([*MODEL_TYPES, AUTO])}"
         )
-    expected = [source.folder for source in MODEL_TYPES[model_type]]
+    expected = [source.folder for source in MODEL_TYPES[model_type].transformers]
     if listed != expected:
         raise CheckpointError(
             f"{original / 'model_index.json'}: lists transformers {listed}, but {model_type} has {expected}"
@@ -272,22 +313,56 @@ def handle_stale_staging(output: Path, dry_run: bool) -> list[str]:
     return found
 
 
+def derived_names(
+    pipeline: str | None,
+    class_name: str,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+) -> dict:
+    """The default :data:`NamesProvider`: :func:`vllm_omni_mxfp4.models.derive_names` (imports
+    vLLM-Omni, once per process and model)."""
+    from ..models import derive_names
+
+    return derive_names(pipeline, class_name, config, tensors)
+
+
+def _model_names(
+    model: ModelType, pipeline: str | None, directory: Path, provider: NamesProvider
+) -> ModelNames:
+    """One original transformer's runtime names, from ``provider`` (vLLM-Omni's model class)."""
+    config = original_config(directory, model.transformer_class)
+    tensors = {name: (ref.dtype, ref.shape) for name, ref in original_archive(directory).items()}
+    try:
+        data = provider(pipeline, model.transformer_class, config, tensors)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # the provider runs vLLM-Omni's model code
+        raise CheckpointError(
+            f"{directory}: cannot derive the runtime names of {model.transformer_class} from vLLM-Omni "
+            f"({type(exc).__name__}: {exc}); the merge needs the vLLM-Omni version that will serve the model"
+        ) from exc
+    return ModelNames.from_dict(data, model.export_names)
+
+
 def _plan_transformers(
-    sources: tuple[TransformerSource, ...], original: Path, quant: Path, **options
+    model: ModelType, original: Path, quant: Path, provider: NamesProvider, **options
 ) -> list[TransformerPlan]:
     """Validate and plan every transformer of the model (``options``: those of :func:`plan_transformer`).
 
     Every original is checked for being already quantized first, so that this is what a merge of a
     quantized original reports, before anything the exports would say.
     """
+    sources = model.transformers
+    pipeline = _read_model_index(original).get("_class_name")
     for source in sources:
-        check_original_unquantized(original / source.folder)
+        check_original_unquantized(original / source.folder, model.transformer_class)
     folders = {s.folder: original / s.folder for s in sources}
     return [
         plan_transformer(
             s.folder,
             original / s.folder,
             s.export_dir(quant),
+            names=_model_names(model, pipeline, original / s.folder, provider),
             siblings={f: d for f, d in folders.items() if f != s.folder},
             **options,
         )
@@ -321,16 +396,15 @@ def merge(
     non_block_quantized: str = "error",
     mxfp8_layers: str = "keep",
     progress: bool | None = None,
+    names_provider: NamesProvider | None = None,
 ) -> MergeReport:
-    """Merge msModelSlim MXFP4 output into a copy of the original diffusers pipeline.
-
-    ``model_type`` is a key of :data:`MODEL_TYPES` or ``"auto"``. ``weight_layout`` ``"packed"``
-    keeps the uint8 ``(N, K/2)`` weights, ``"numeric"`` writes their FP4 values as BF16 ``(N, K)``.
-    ``max_shard_size`` (bytes) shards each transformer's weights. ``mxfp8_layers``: ``"keep"`` W8A8
-    MXFP8 layers or take them from the original (``"bf16"``). ``dry_run`` validates and reports
-    without writing. ``progress`` shows a tqdm bar on stderr (``None``: only on a terminal).
-    Raises :class:`CheckpointError` for invalid input; on any failure or interruption no output is left.
-    """
+    """Merge msModelSlim MXFP4 output into a copy of the original diffusers pipeline. ``model_type``:
+    a key of :data:`MODEL_TYPES` or ``"auto"``; ``weight_layout`` ``"packed"`` keeps the uint8 ``(N,
+    K/2)`` weights, ``"numeric"`` writes their FP4 values as BF16 ``(N, K)``; ``max_shard_size`` (bytes)
+    shards each transformer's weights; ``mxfp8_layers``: ``"keep"`` W8A8 MXFP8 layers or take them from
+    the original (``"bf16"``); ``dry_run`` validates and reports without writing; ``progress``: a tqdm bar
+    on stderr (``None``: only on a terminal); ``names_provider``: default :func:`derived_names`. Raises
+    :class:`CheckpointError` for invalid input; on any failure or interruption no output is left."""
     start = time.perf_counter()
     _check_options(weight_layout, non_block_quantized, max_shard_size, mxfp8_layers)
     original, quant, output = (Path(p).absolute() for p in (original_model, quant_path, output_path))
@@ -338,17 +412,18 @@ def merge(
     _check_input_dirs(original, quant)
     resolved_type = resolve_model_type(model_type, original)
     check_output(output, [original, quant], overwrite)
-    sources = MODEL_TYPES[resolved_type]
+    model = MODEL_TYPES[resolved_type]
     plans = _plan_transformers(
-        sources,
+        model,
         original,
         quant,
+        names_provider or derived_names,
         weight_layout=weight_layout,
         max_shard_size=max_shard_size,
         non_block_quantized=non_block_quantized,
         mxfp8_layers=mxfp8_layers,
     )
-    components = component_files(original, {source.folder for source in sources})
+    components = component_files(original, {source.folder for source in model.transformers})
     report = MergeReport(
         model_type=resolved_type,
         original_model=str(original),

@@ -16,6 +16,7 @@ Smooth quantization wraps a Linear: msModelSlim saves ``<p>.linear.<tensor>`` an
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -197,7 +198,9 @@ def strip_smooth_wrapper(name: str) -> tuple[str, bool]:
 
 
 def runtime_layer_name(layer: str) -> str:
-    """The vLLM-Omni runtime module path of a diffusers Linear path.
+    """The vLLM-Omni runtime module path of a diffusers Wan2.2 Linear path, for the engine's load-error
+    messages (:mod:`vllm_omni_mxfp4.omni.loading`); the merge takes runtime names from the model
+    class instead (:class:`ModelNames`).
 
     Self-attention Q/K/V become ``attn1.to_qkv``, ``to_out.0`` becomes ``to_out`` and the FFN uses
     ``net_0`` / ``net_2``; Linears outside the blocks keep their diffusers path.
@@ -234,3 +237,172 @@ def fused_qkv_group(layer: str) -> str | None:
 natural_key = layer_order
 """Sort key that orders ``blocks.2`` before ``blocks.10``: the configs' own order of layer names, so
 that a merged ``ignored_layers`` list and the tensors are written in the order the configs keep."""
+
+
+#: How an export names its tensors: the original Wan repository's modules (msModelSlim's Wan
+#: adapters quantize the Wan code's model; :func:`wan_to_diffusers` maps them) or the diffusers
+#: checkpoint's (adapters that quantize a diffusers model, such as Qwen-Image-Edit's).
+WAN_EXPORT_NAMES = "wan"
+DIFFUSERS_EXPORT_NAMES = "diffusers"
+EXPORT_NAMINGS = (WAN_EXPORT_NAMES, DIFFUSERS_EXPORT_NAMES)
+#: A module that is not a Linear, in a model whose names come from the class (no norm/conv split).
+MODULE = "module"
+#: vLLM's ids of the fused Q/K/V pieces; merged columns use integer ids.
+_QKV_SHARDS = ("q", "k", "v")
+_ANY_BLOCK_RE = re.compile(r"^(?:[A-Za-z0-9_]*blocks)\.(0|[1-9][0-9]*)\.")
+
+
+def _shard_order(shard: object) -> int:
+    return _QKV_SHARDS.index(shard) if shard in _QKV_SHARDS else int(shard)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """One transformer's names: export -> diffusers, and diffusers -> vLLM-Omni runtime.
+
+    ``export_names`` says how the export names tensors (:data:`EXPORT_NAMINGS`). ``tensors`` and
+    ``linears`` are the plain data :func:`vllm_omni_mxfp4.models.derive_names` derives from the
+    model class (its ``load_weights``, ``packed_modules_mapping`` and name rewrites): where each
+    original tensor lands at runtime, and each runtime Linear's kind, quantizability and
+    quantization prefix. Nothing here knows a model: a name the data lacks is an error.
+    """
+
+    model_class: str
+    export_names: str
+    tensors: dict[str, dict]
+    linears: dict[str, dict]
+
+    @classmethod
+    def from_dict(cls, data: dict, export_names: str) -> ModelNames:
+        """Read :func:`~vllm_omni_mxfp4.models.derive_names`'s data (checked, never trusted)."""
+        if export_names not in EXPORT_NAMINGS:
+            raise CheckpointError(
+                f"export naming {export_names!r}; expected one of {', '.join(EXPORT_NAMINGS)}"
+            )
+        problems = [key for key in ("model_class", "tensors", "linears") if key not in data]
+        if problems or not isinstance(data.get("tensors"), dict) or not isinstance(data.get("linears"), dict):
+            raise CheckpointError(
+                f"model name data lacks {problems or 'dict tensors/linears'}; it must come from "
+                "vllm_omni_mxfp4.models.derive_names"
+            )
+        return cls(str(data["model_class"]), export_names, dict(data["tensors"]), dict(data["linears"]))
+
+    def _runtime_module(self, layer: str) -> str | None:
+        """The runtime module the model loads diffusers module ``layer``'s weight into."""
+        placed = self.tensors.get(f"{layer}.weight") or {}
+        param = placed.get("param")
+        return None if param is None else param.rpartition(".")[0]
+
+    def _linear(self, layer: str) -> dict | None:
+        module = self._runtime_module(layer)
+        return None if module is None else self.linears.get(module)
+
+    def is_linear(self, layer: str) -> bool:
+        """Whether diffusers module ``layer`` is loaded into a Linear of the model."""
+        return self._linear(layer) is not None
+
+    def check_loaded(self, name: str, where: str) -> None:
+        """Refuse an original tensor the model's ``load_weights`` skips (the engine would drop it
+        silently) or refuses; ``where`` names the file."""
+        placed = self.tensors.get(name)
+        if placed is None:
+            raise CheckpointError(
+                f"{where}: original tensor {name!r} is not loaded by vLLM-Omni's {self.model_class} "
+                "(its load_weights skips the name); the original must be this class's diffusers checkpoint"
+            )
+        if "error" in placed:
+            raise CheckpointError(
+                f"{where}: vLLM-Omni's {self.model_class} refuses original tensor {name!r}: {placed['error']}"
+            )
+
+    def parse_diffusers(self, name: str) -> TensorName:
+        """Where a diffusers tensor sits: its Linear (scales included), other module, or bare parameter."""
+        if self.export_names == WAN_EXPORT_NAMES:
+            return parse_diffusers(name)
+        layer, _, leaf = name.rpartition(".")
+        match = _ANY_BLOCK_RE.match(name)
+        block = int(match.group(1)) if match else None
+        if layer and self.is_linear(layer) and leaf in LINEAR_LEAVES:
+            return TensorName(name, layer, leaf, LINEAR, block)
+        if name not in self.tensors:
+            raise CheckpointError(
+                f"unknown tensor name {name!r}: vLLM-Omni's {self.model_class} does not load it"
+            )
+        if layer and leaf in PLAIN_LEAVES:
+            return TensorName(name, layer, leaf, MODULE, block)
+        return TensorName(name, None, name, PARAM, block)
+
+    def export_to_diffusers(self, name: str) -> TensorName:
+        """The diffusers place of an export tensor name (Smooth wrappers already stripped)."""
+        if self.export_names == WAN_EXPORT_NAMES:
+            return wan_to_diffusers(name)
+        return self.parse_diffusers(name)
+
+    def diffusers_to_export(self, name: str) -> str:
+        """The export's name of a diffusers tensor name."""
+        return diffusers_to_wan(name) if self.export_names == WAN_EXPORT_NAMES else name
+
+    def runtime_layer_name(self, layer: str) -> str:
+        """The name ``ignored_layers`` uses for diffusers Linear ``layer``: the prefix the model hands
+        its quantization config (a fused layer's, for each of its pieces), or the module path of a
+        Linear the model builds without one."""
+        linear = self._linear(layer)
+        if linear is None:
+            raise CheckpointError(f"{layer!r} is not a Linear of vLLM-Omni's {self.model_class}")
+        return linear["prefix"] if linear["quantizable"] else self._runtime_module(layer)
+
+    def is_runtime_quantizable(self, layer: str) -> bool:
+        """Whether the model builds diffusers Linear ``layer`` with its quantization config (the
+        others run in BF16 whatever a checkpoint holds)."""
+        linear = self._linear(layer)
+        return linear is not None and bool(linear["quantizable"])
+
+    def fused_piece(self, layer: str) -> tuple[str, int] | None:
+        """``(runtime name, piece order)`` when the model fuses diffusers Linear ``layer`` with others
+        into one runtime Linear (its ``packed_modules_mapping``), else ``None``."""
+        placed = self.tensors.get(f"{layer}.weight") or {}
+        if placed.get("shard") is None or not self.is_linear(layer):
+            return None
+        return self.runtime_layer_name(layer), _shard_order(placed["shard"])
+
+    def strip_smooth_wrapper(self, name: str) -> tuple[str, bool]:
+        """:func:`strip_smooth_wrapper`, except for a name that is already one of the model's (Qwen-Image's
+        ``norm_out.linear.bias`` is a module called ``linear``, not a Smooth wrapper)."""
+        stripped, wrapped = strip_smooth_wrapper(name)
+        if wrapped:
+            try:
+                self.export_to_diffusers(name)
+            except CheckpointError:
+                return stripped, wrapped
+            return name, False
+        return stripped, wrapped
+
+    def linear_layers(self) -> list[str]:
+        """The diffusers paths of every Linear the model loads, in natural order."""
+        layers = {name[: -len(".weight")] for name in self.tensors if name.endswith(".weight")}
+        return sorted((layer for layer in layers if self.is_linear(layer)), key=layer_order)
+
+    def attention(self, owner: str) -> tuple[str, list[str]]:
+        """The attention an msModelSlim record on export module ``owner`` belongs to (``q_rot`` /
+        ``k_rot``, FA3 ``quant_type``; Wan hangs them on ``blocks.N.self_attn``, Qwen-Image on the
+        block ``transformer_blocks.N``): its runtime module and the diffusers Linears that make its Q
+        and K. Those are the ``q``/``k`` pieces of the fused Linears the model's loader builds under
+        ``owner`` (Qwen-Image: image and text Q/K), or, where it fuses none, the ``to_q``/``to_k``
+        projections under ``owner``."""
+        under = [
+            layer
+            for layer in self.linear_layers()
+            if self.diffusers_to_export(f"{layer}.weight").startswith(f"{owner}.")
+        ]
+        qk = [layer for layer in under if (self.tensors[f"{layer}.weight"].get("shard") in ("q", "k"))]
+        qk = qk or [layer for layer in under if layer.rsplit(".", 1)[-1] in ("to_q", "to_k")]
+        if not qk:
+            raise CheckpointError(
+                f"{owner!r} holds no attention Q/K projection of vLLM-Omni's {self.model_class} "
+                f"(Linears under it: {under or 'none'})"
+            )
+        runtime = sorted({self.runtime_layer_name(layer) for layer in qk})
+        common = os.path.commonprefix([name.split(".") for name in runtime])
+        if len(runtime) == 1:  # one fused Q/K/V Linear: the attention is its parent
+            common = common[:-1]
+        return ".".join(common), qk

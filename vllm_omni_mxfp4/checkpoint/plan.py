@@ -25,7 +25,7 @@ from vllm_omni_mxfp4.config import Mxfp4Config, Mxfp4DualScaleConfig
 
 from .errors import CheckpointError, read_json_object, require_regular_file
 from .export import FLOAT_LABEL, read_export
-from .names import natural_key, runtime_layer_name, wan_to_diffusers
+from .names import ModelNames, natural_key
 from .origin import check_origin
 from .rotation import REASON as ROTATION_REASON
 from .safetensors_io import (
@@ -59,12 +59,12 @@ __all__ = [
     "TransformerPlan",
     "TransformerReport",
     "check_original_unquantized",
+    "original_config",
     "plan_transformer",
 ]
 
 DESCRIPTION_NAME = "quant_model_description.json"
 WEIGHT_LAYOUTS = ("packed", "numeric")
-TRANSFORMER_CLASS = "WanTransformer3DModel"
 _WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".index.json")
 
 
@@ -223,21 +223,22 @@ def _quantization_config(
     return config.to_checkpoint_dict()
 
 
-def _runtime_names(layers: list[str]) -> list[str]:
-    return sorted({runtime_layer_name(layer) for layer in layers}, key=natural_key)
+def _runtime_names(layers: list[str], names: ModelNames) -> list[str]:
+    return sorted({names.runtime_layer_name(layer) for layer in layers}, key=natural_key)
 
 
 def _fa3_attention(inputs: MergeInputs) -> dict[str, str]:
-    """FA3 records by runtime attention (``blocks.N.attn1``); every one runs in BF16 in vLLM-Omni."""
+    """FA3 records by runtime attention (``blocks.N.attn1``, ``transformer_blocks.N.attn``); every one
+    runs in BF16 in vLLM-Omni."""
     found = {}
     for attention, dtype in inputs.export.fa_markers.items():
         try:
-            place = wan_to_diffusers(f"{attention}.q.weight")
-        except CheckpointError:
+            runtime = inputs.names.attention(attention)[0]
+        except CheckpointError as exc:
             raise CheckpointError(
-                f"{inputs.export.description}: FA3 record {attention}.quant_type names no Wan attention"
+                f"{inputs.export.description}: FA3 record {attention}.quant_type names no attention ({exc})"
             ) from None
-        found[place.layer.rsplit(".", 1)[0]] = dtype
+        found[runtime] = dtype
     if found:
         inputs.warn(
             f"FA3 attention quantization on {len(found)} attention layer(s) "
@@ -256,8 +257,8 @@ def _online_rotation(inputs: MergeInputs) -> dict | None:
     return {"layers": sorted(attentions, key=natural_key), "applied": False, "reason": ROTATION_REASON}
 
 
-def _original_config(original_dir: Path) -> dict:
-    """The original ``config.json``: a Wan transformer's, without a ``quantization_config``."""
+def original_config(original_dir: Path, transformer_class: str) -> dict:
+    """The original ``config.json``: a ``transformer_class``'s, without a ``quantization_config``."""
     path = original_dir / "config.json"
     config = read_json_object(path, if_missing="the original transformer needs its config.json")
     if "quantization_config" in config:
@@ -265,19 +266,19 @@ def _original_config(original_dir: Path) -> dict:
             f"{path}: already has a quantization_config; --original-model must be the BF16 original "
             "(this is a merged or otherwise quantized checkpoint)"
         )
-    if config.get("_class_name") != TRANSFORMER_CLASS:
+    if config.get("_class_name") != transformer_class:
         raise CheckpointError(
-            f"{path}: _class_name is {config.get('_class_name')!r}; expected {TRANSFORMER_CLASS!r}"
+            f"{path}: _class_name is {config.get('_class_name')!r}; expected {transformer_class!r}"
         )
     return config
 
 
-def check_original_unquantized(original_dir: Path) -> None:
+def check_original_unquantized(original_dir: Path, transformer_class: str) -> None:
     """Refuse an already-quantized original first, before any comparison with the export: its
     ``config.json`` has a ``quantization_config``, or it holds scales or non-float weights."""
     if not original_dir.is_dir():
         raise CheckpointError(f"original transformer directory {original_dir} does not exist")
-    _original_config(original_dir)
+    original_config(original_dir, transformer_class)
     for name, ref in sorted(original_archive(original_dir).items(), key=lambda item: natural_key(item[0])):
         if name.rsplit(".", 1)[-1] in ADDED_LEAVES or ref.dtype not in FLOAT_DTYPES:
             raise CheckpointError(
@@ -318,7 +319,7 @@ def _report(
         ignored_layers=list(quant.get("ignored_layers", [])),
         require_smooth_scale=require_smooth,
         mxfp8_layers=list(quant.get("mxfp8_layers", [])),
-        mxfp8_to_bf16=_runtime_names(to_bf16),
+        mxfp8_to_bf16=_runtime_names(to_bf16, inputs.names),
         fa3_attention=_fa3_attention(inputs),
         online_rotation=quant.get("online_rotation"),
         tensors=len(out.tensors),
@@ -334,6 +335,7 @@ def plan_transformer(
     original_dir: Path,
     quant_dir: Path,
     *,
+    names: ModelNames,
     weight_layout: str = "packed",
     max_shard_size: int | None = None,
     non_block_quantized: str = "error",
@@ -343,12 +345,13 @@ def plan_transformer(
     """Validate one transformer's export against its original and plan the merged tensors.
 
     ``mxfp8_layers`` (:data:`MXFP8_POLICIES`): ``keep`` the export's W8A8 MXFP8 layers, or ``bf16``:
-    take them from the original. ``siblings`` are the model's other transformers (folder name ->
+    take them from the original. ``names`` are the transformer's runtime names (derived from
+    vLLM-Omni's model class, :class:`~.names.ModelNames`). ``siblings`` are the model's other transformers (folder name ->
     original directory): an export made from one of them (swapped or duplicated experts) is
     refused, naming it.
     """
-    check_original_unquantized(original_dir)
-    inputs = MergeInputs(name, original_dir, read_export(quant_dir), non_block_quantized, mxfp8_layers)
+    check_original_unquantized(original_dir, names.model_class)
+    inputs = MergeInputs(name, original_dir, read_export(quant_dir), non_block_quantized, names, mxfp8_layers)
     layers = inputs.decide_layers()
     if not layers.quantized:
         raise CheckpointError(
@@ -360,14 +363,14 @@ def plan_transformer(
     require_smooth = _require_smooth_scale(inputs, layers)
     extra: dict[str, object] = {}
     if layers.mxfp8:
-        extra["mxfp8_layers"] = _runtime_names(layers.mxfp8)
+        extra["mxfp8_layers"] = _runtime_names(layers.mxfp8, names)
     rotation = _online_rotation(inputs)
     if rotation is not None:
         extra["online_rotation"] = rotation
     quant = _quantization_config(
-        inputs.export.quant_method, _runtime_names(layers.bf16), require_smooth, extra
+        inputs.export.quant_method, _runtime_names(layers.bf16, names), require_smooth, extra
     )
-    config = {**_original_config(original_dir), "quantization_config": quant}
+    config = {**original_config(original_dir, names.model_class), "quantization_config": quant}
     return TransformerPlan(
         report=_report(inputs, layers, out, quant, require_smooth),
         original_dir=original_dir,

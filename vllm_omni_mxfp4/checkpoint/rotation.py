@@ -1,9 +1,10 @@
 """msModelSlim's online Q/K rotation records (QuaRot), accepted only where serving without them is exact.
 
-msModelSlim's shipped Wan2.2 recipes run ``online_quarot``: the Wan adapter hangs ``q_rot`` and
-``k_rot`` (``nn.Identity``, replaced by an ``OnlineRotationWrapper``) on every attention the recipe's
-``include`` selects, and the ``mindie_format`` saver stores their Hadamard matrix as
-``blocks.N.self_attn.q_rot`` / ``k_rot`` (FLOAT, ``(head_dim, head_dim)``). The rotation multiplies Q
+msModelSlim's shipped Wan2.2 and Qwen-Image-Edit recipes run ``online_quarot``: the adapter hangs
+``q_rot`` and ``k_rot`` (``nn.Identity``, replaced by an ``OnlineRotationWrapper``) on every attention
+the recipe's ``include`` selects (Wan: ``blocks.N.self_attn``; Qwen-Image: the block
+``transformer_blocks.N``, rotating its joint image and text Q/K), and the ``mindie_format`` saver
+stores their Hadamard matrix as ``<owner>.q_rot`` / ``k_rot`` (FLOAT, ``(head_dim, head_dim)``). The rotation multiplies Q
 and K inside MindIE-SD's quantized attention; no stored weight is rotated. vLLM-Omni runs attention
 in BF16 without it, which computes the original model's attention, so the merge accepts these
 records, keeps them out of the weights and records them in the merged config
@@ -11,8 +12,8 @@ records, keeps them out of the weights and records them in the merged config
 
 Accepted only in that case, checked before anything is written (each violation names the records):
 
-- the records are ``q_rot`` / ``k_rot`` of a Wan attention (``blocks.N.self_attn`` or ``cross_attn``),
-  both present and equal, square of the model's ``attention_head_dim``, finite and orthogonal;
+- the records are ``q_rot`` / ``k_rot`` of a module that holds an attention's Q and K projections in
+  the model (:meth:`~.names.ModelNames.attention`, from vLLM-Omni's class), both present and equal, square of the model's ``attention_head_dim``, finite and orthogonal;
 - the attention's Q and K weights were not rotated: each decodes (MXFP4 / MXFP8 / BF16) to values
   close to the original's (cosine similarity, far above what a rotation leaves).
 
@@ -22,7 +23,7 @@ refused, naming it: it would change the model if dropped, and the runtime does n
 
 from __future__ import annotations
 
-import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,10 +34,8 @@ from vllm_omni_mxfp4 import spec
 from .errors import CheckpointError, read_json_object
 from .safetensors_io import FLOAT_DTYPES, TensorRef, decode_array
 
-#: The rotation records msModelSlim's Wan adapter registers (``get_online_rotation_configs``).
+#: The rotation records msModelSlim's adapters register (``get_online_rotation_configs``).
 ROTATION_LEAVES = ("q_rot", "k_rot")
-_ATTENTION = re.compile(r"(blocks\.(?:0|[1-9][0-9]*)\.(?:self_attn|cross_attn))\.(q_rot|k_rot)")
-_RUNTIME_ATTENTION = {"self_attn": "attn1", "cross_attn": "attn2"}
 #: ``R R^T`` of a BF16-stored orthogonal matrix is within this of the identity (measured 2.2e-4 at 128).
 ORTHOGONALITY_TOLERANCE = 1e-2
 #: Q/K weights decoded from the export against the original: quantization keeps the cosine above
@@ -57,30 +56,37 @@ def is_rotation_record(name: str) -> bool:
 
 @dataclass
 class Rotations:
-    """The rotation records of one export, by export attention name (``blocks.N.self_attn``)."""
+    """The rotation records of one export, by export module (``blocks.N.self_attn``,
+    ``transformer_blocks.N``). ``attention`` maps such a module to its runtime attention and the
+    diffusers Q/K Linears it holds (:meth:`~.names.ModelNames.attention`)."""
 
     description: Path
+    attention: Callable[[str], tuple[str, list[str]]]
     records: dict[str, dict[str, TensorRef]] = field(default_factory=dict)
 
     def add(self, name: str, ref: TensorRef) -> None:
         """File one record, or refuse it naming why it cannot be served."""
-        match = _ATTENTION.fullmatch(name)
-        if match is None:
+        owner, _, leaf = name.rpartition(".")
+        why = None
+        if leaf not in ROTATION_LEAVES:
+            why = "not a q_rot/k_rot"
+        else:
+            try:
+                self.attention(owner)
+            except CheckpointError as exc:
+                why = f"a {leaf} on no attention ({exc})"
+        if why is not None:
             raise CheckpointError(
-                f"{self.description}: rotation record {name!r} is not a q_rot/k_rot of a Wan attention; "
-                "only msModelSlim's online Q/K rotation (recipe step 'online_quarot' on the attentions) "
-                "leaves the stored weights unrotated, and vLLM-Omni applies no rotation at run time: "
-                "re-export without this rotation"
+                f"{self.description}: rotation record {name!r} is {why} of an attention; only "
+                "msModelSlim's online Q/K rotation (recipe step 'online_quarot' on the attentions) leaves "
+                "the stored weights unrotated, and vLLM-Omni applies no rotation at run time: re-export "
+                "without this rotation"
             )
-        self.records.setdefault(match.group(1), {})[match.group(2)] = ref
+        self.records.setdefault(owner, {})[leaf] = ref
 
     def runtime_layers(self) -> list[str]:
         """The vLLM-Omni attention modules whose Q/K the records rotate (``blocks.N.attn1``)."""
-        out = []
-        for attention in self.records:
-            block, kind = attention.rsplit(".", 1)
-            out.append(f"{block}.{_RUNTIME_ATTENTION[kind]}")
-        return out
+        return [self.attention(owner)[0] for owner in self.records]
 
     def check(self, original_dir: Path, decoded: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         """The records are pairs of equal orthogonal head-size matrices, and ``decoded`` (export

@@ -5,18 +5,22 @@ table in :mod:`vllm_omni_mxfp4.spec` (:func:`~vllm_omni_mxfp4.spec.checkpoint_te
 table the runtime loader checks. On top of it (each violation is a :class:`CheckpointError` naming the
 tensor or file):
 
-- every export tensor name is in the exact Wan2.2 name table and maps to a tensor (or, for
-  quantization tensors, a Linear) of the original;
+- every export tensor name maps to a tensor (or, for quantization tensors, a Linear) of the
+  original: through the exact Wan2.2 name table for exports of the original Wan modules, as is for
+  exports that use diffusers names (Qwen-Image-Edit); every original tensor is one the model class
+  loads (:class:`~.names.ModelNames`, derived from vLLM-Omni's class);
 - a quantized Linear has every required tensor of its format, each labelled with the export's
   format (``mul_scale`` labelled FLOAT, the bias FLOAT or the format), and its bias iff the
   original has one; ``mul_scale`` is needed only where msModelSlim smoothed the layer (the merge
   writes an identity one where the format requires it);
 - a FLOAT tensor is floating point with the original's shape; a Linear kept in BF16 has no scales
   and no Smooth (a BF16 Linear does not apply ``mul_scale`` at runtime);
-- the self-attention Q/K/V of a block (fused at runtime) are all quantized or all BF16, and share
-  one ``mul_scale`` (or none);
-- only block Linears are quantized (vLLM-Omni runs the embedders and ``proj_out`` in BF16), unless
-  the caller asks to take such layers from the original;
+- the Linears the model fuses into one runtime Linear (its loader's fused pieces: Wan's
+  ``attn1.to_qkv``, Qwen-Image's ``attn.to_qkv`` and ``attn.add_kv_proj``) are all quantized or all
+  BF16, and share one ``mul_scale`` (or none);
+- only Linears the model builds with its quantization config are quantized (vLLM-Omni runs Wan's
+  embedders and ``proj_out``, Qwen-Image's ``img_mod``/``txt_mod``, embedders and ``proj_out`` in
+  BF16), unless the caller asks to take such layers from the original;
 - a Linear's format is its weight's label: the export's MXFP4 format, or W8A8 MXFP8 (``mxfp8``, kept
   or, with ``mxfp8="bf16"``, taken from the BF16 original); a fused Q/K/V group shares one format;
 - online Q/K rotation records (:mod:`.rotation`) are set apart, checked and kept out of the weights.
@@ -38,14 +42,10 @@ from .errors import CheckpointError
 from .export import FLOAT_LABEL, LAYER_FORMATS, QuantExport
 from .names import (
     LINEAR,
+    WAN_EXPORT_NAMES,
+    ModelNames,
     TensorName,
-    diffusers_to_wan,
-    fused_qkv_group,
-    is_runtime_quantizable,
     natural_key,
-    parse_diffusers,
-    strip_smooth_wrapper,
-    wan_to_diffusers,
 )
 from .rotation import ROWS_COMPARED, Rotations, decode_rows, is_rotation_record, read_rows
 from .safetensors_io import (
@@ -117,10 +117,6 @@ def original_archive(directory: Path) -> dict[str, TensorRef]:
     )
 
 
-def _export_layer(layer: str) -> str:
-    return diffusers_to_wan(f"{layer}.weight")[: -len(".weight")]
-
-
 def _fail(ref: TensorRef, what: str, problem: str) -> CheckpointError:
     return CheckpointError(f"{ref.path}: {what} {ref.name!r} {problem}")
 
@@ -168,19 +164,24 @@ def _allowed_labels(leaf: str, label: str) -> tuple[str, ...]:
     return (label,)
 
 
-def _map_export(export: QuantExport, rotations: Rotations) -> dict[str, ExportTensor]:
+def _map_export(export: QuantExport, rotations: Rotations, names: ModelNames) -> dict[str, ExportTensor]:
     mapped: dict[str, ExportTensor] = {}
     for name in sorted(export.tensors, key=natural_key):
         if is_rotation_record(name):
             rotations.add(name, export.tensors[name])
             continue
-        stripped, wrapped = strip_smooth_wrapper(name)
+        stripped, wrapped = names.strip_smooth_wrapper(name)
         try:
-            place = wan_to_diffusers(stripped)
+            place = names.export_to_diffusers(stripped)
         except CheckpointError:
+            if names.export_names == WAN_EXPORT_NAMES:
+                raise CheckpointError(
+                    f"{export.description}: unknown tensor {name!r}; it is not in the exact Wan2.2 "
+                    "original-name table (msModelSlim must quantize the original Wan modules)"
+                ) from None
             raise CheckpointError(
-                f"{export.description}: unknown tensor {name!r}; it is not in the exact Wan2.2 "
-                "original-name table (msModelSlim must quantize the original Wan modules)"
+                f"{export.description}: unknown tensor {name!r}; vLLM-Omni's {names.model_class} loads no "
+                "tensor of that name (msModelSlim must quantize the diffusers model of this original)"
             ) from None
         if wrapped and place.kind != LINEAR:
             raise CheckpointError(
@@ -195,11 +196,12 @@ def _map_export(export: QuantExport, rotations: Rotations) -> dict[str, ExportTe
     return mapped
 
 
-def _parse_original_names(original: dict[str, TensorRef]) -> dict[str, TensorName]:
+def _parse_original_names(original: dict[str, TensorRef], names: ModelNames) -> dict[str, TensorName]:
     places = {}
     for tensor, ref in original.items():
+        names.check_loaded(tensor, str(ref.path))
         try:
-            places[tensor] = parse_diffusers(tensor)
+            places[tensor] = names.parse_diffusers(tensor)
         except CheckpointError:
             raise CheckpointError(
                 f"{ref.path}: original tensor {tensor!r} is not in the Wan2.2 name table"
@@ -212,7 +214,13 @@ class MergeInputs:
     checks between them; :meth:`decide_layers` runs them all."""
 
     def __init__(
-        self, name: str, original_dir: Path, export: QuantExport, non_block: str, mxfp8: str = "keep"
+        self,
+        name: str,
+        original_dir: Path,
+        export: QuantExport,
+        non_block: str,
+        names: ModelNames,
+        mxfp8: str = "keep",
     ):
         self.name = name
         self.original_dir = original_dir
@@ -220,9 +228,10 @@ class MergeInputs:
         self.non_block = non_block
         self.mxfp8 = mxfp8
         self.original = original_archive(original_dir)
-        self.places = _parse_original_names(self.original)
-        self.rotations = Rotations(export.description)
-        self.mapped = _map_export(export, self.rotations)
+        self.names = names
+        self.places = _parse_original_names(self.original, names)
+        self.rotations = Rotations(export.description, names.attention)
+        self.mapped = _map_export(export, self.rotations, names)
         self.by_layer: dict[str, dict[str, ExportTensor]] = {}
         for t in self.mapped.values():
             if t.place.layer is not None and t.place.kind == LINEAR:
@@ -235,8 +244,11 @@ class MergeInputs:
         logger.warning("%s: %s", self.name, message)
         self.warnings.append(message)
 
+    def _export_layer(self, layer: str) -> str:
+        return self.names.diffusers_to_export(f"{layer}.weight")[: -len(".weight")]
+
     def _layer_context(self, layer: str) -> str:
-        return f"{self.export.description.name}: layer {layer} (export {_export_layer(layer)})"
+        return f"{self.export.description.name}: layer {layer} (export {self._export_layer(layer)})"
 
     # Validation ------------------------------------------------------------------------------------
 
@@ -261,10 +273,10 @@ class MergeInputs:
             return
         name, layer = missing[0], self.places[missing[0]].layer
         if layer is not None and not any(t.place.layer == layer for t in self.mapped.values()):
-            what = f"has no tensor of layer {layer} (export {diffusers_to_wan(name).rsplit('.', 1)[0]})"
+            what = f"has no tensor of layer {layer} (export {self._export_layer(layer)})"
             others = [n for n in missing if self.places[n].layer != layer]
         else:
-            what = f"lacks tensor {name} (export {diffusers_to_wan(name)})"
+            what = f"lacks tensor {name} (export {self.names.diffusers_to_export(name)})"
             others = missing[1:]
         more = f", and {len(others)} other tensor(s) of the original" if others else ""
         raise CheckpointError(
@@ -289,7 +301,7 @@ class MergeInputs:
         if wrapped == {True} and MUL_SCALE not in tensors:
             raise CheckpointError(
                 f"{self._layer_context(layer)}: Smooth-wrapped tensors without "
-                f"{_export_layer(layer)}.div.mul_scale"
+                f"{self._export_layer(layer)}.div.mul_scale"
             )
 
     def layer_label(self, layer: str) -> str:
@@ -342,7 +354,7 @@ class MergeInputs:
                 raise _fail(t.ref, record.name, f"is labelled {t.label}; expected {expected}")
             if t is None and record.required and record.name != MUL_SCALE:
                 raise CheckpointError(
-                    f"{context}: quantized ({label}) but {_export_layer(layer)}.{record.name} is missing"
+                    f"{context}: quantized ({label}) but {self._export_layer(layer)}.{record.name} is missing"
                 )
         known = [record.name for record in records]
         for leaf, t in tensors.items():
@@ -379,13 +391,13 @@ class MergeInputs:
         """Whether a quantized Linear is written quantized: block Linears are (W8A8 MXFP8 ones unless
         the ``mxfp8`` policy is ``bf16``); for the others the ``non_block`` policy either refuses the
         export or takes the BF16 original."""
-        if is_runtime_quantizable(layer):
+        if self.names.is_runtime_quantizable(layer):
             return self.mxfp8 == "keep" or self.layer_format(layer) != MXFP8
         if self.non_block == "error":
             raise CheckpointError(
                 f"{self._layer_context(layer)}: is quantized, but vLLM-Omni runs this Linear in BF16 "
-                "(only block Linears are quantized); exclude it from quantization in msModelSlim or "
-                "pass --non-block-quantized original"
+                f"(its {self.names.model_class} builds it without a quantization config); exclude it from "
+                "quantization in msModelSlim or pass --non-block-quantized original"
             )
         self.warn(f"{layer} is quantized in the export; its BF16 original is used instead")
         return False
@@ -394,31 +406,36 @@ class MergeInputs:
         smooth = self.by_layer[layer].get(MUL_SCALE)
         return None if smooth is None else smooth.ref.read_array().astype(np.float32)
 
-    def check_fused_qkv(self, layers: Layers) -> None:
-        """Self-attention Q/K/V share one precision and one ``mul_scale``: vLLM-Omni fuses them."""
-        groups: dict[str, list[str]] = {}
+    def fused_groups(self) -> dict[str, list[str]]:
+        """The diffusers Linears the model fuses, by runtime Linear, in piece order (from the model's
+        own loader: Wan's ``attn1.to_qkv``, Qwen-Image's ``attn.to_qkv`` and ``attn.add_kv_proj``)."""
+        groups: dict[str, list[tuple[int, str]]] = {}
         for layer in self.linear_layers():
-            group = fused_qkv_group(layer)
-            if group is not None:
-                groups.setdefault(group, []).append(layer)
+            piece = self.names.fused_piece(layer)
+            if piece is not None:
+                groups.setdefault(piece[0], []).append((piece[1], layer))
+        return {runtime: [layer for _, layer in sorted(members)] for runtime, members in groups.items()}
+
+    def check_fused_qkv(self, layers: Layers) -> None:
+        """Linears the model fuses into one share one precision, format and ``mul_scale``."""
         quantized = set(layers.quantized)
-        for group, members in groups.items():
-            members.sort(key=lambda layer: "qkv".index(layer[-1]))
-            context = f"{self.export.description.name}: fused self-attention {group} (export {_export_layer(members[0])[:-2]})"
+        for group, members in self.fused_groups().items():
+            export = self._export_layer(members[0]).rsplit(".", 1)[0]
+            context = f"{self.export.description.name}: fused {group} (export {export})"
             short = [layer.rsplit(".", 1)[1] for layer in members]
             done = [s for s, layer in zip(short, members) if layer in quantized]
             formats = {self.layer_label(layer) for layer in members if layer in quantized}
             if len(formats) > 1:
                 shown = ", ".join(f"{s} {self.layer_label(m)}" for s, m in zip(short, members))
                 raise CheckpointError(
-                    f"{context}: Q/K/V are stored in different formats ({shown}); vLLM-Omni fuses them "
-                    "into attn1.to_qkv, one Linear of one format: quantize all three alike"
+                    f"{context}: {'/'.join(short)} are stored in different formats ({shown}); vLLM-Omni "
+                    f"fuses them into {group}, one Linear of one format: quantize them alike"
                 )
             if done and len(done) != len(members):
                 bf16 = [s for s, layer in zip(short, members) if layer not in quantized]
                 raise CheckpointError(
                     f"{context}: partial BF16 fallback ({', '.join(done)} quantized, {', '.join(bf16)} BF16); "
-                    "vLLM-Omni fuses Q/K/V into attn1.to_qkv, so all three must share one precision"
+                    f"vLLM-Omni fuses {', '.join(short)} into {group}, so all must share one precision"
                 )
             if done:
                 self._check_shared_smooth(context, members, short)
@@ -428,11 +445,11 @@ class MergeInputs:
         if any(v is None for v in values) and not all(v is None for v in values):
             with_smooth = [s for s, v in zip(short, values) if v is not None]
             raise CheckpointError(
-                f"{context}: Smooth mul_scale on {', '.join(with_smooth)} only; Q/K/V share one"
+                f"{context}: Smooth mul_scale on {', '.join(with_smooth)} only; {'/'.join(short)} share one"
             )
         if values[0] is not None and not all(np.array_equal(values[0], v) for v in values[1:]):
             raise CheckpointError(
-                f"{context}: Q/K/V have different mul_scale tensors; the fused attn1.to_qkv applies one"
+                f"{context}: {'/'.join(short)} have different mul_scale tensors; the fused Linear applies one"
             )
 
     def check_float_tensors(self, layers: Layers) -> None:
@@ -493,13 +510,11 @@ class MergeInputs:
     def check_rotations(self) -> None:
         """Online Q/K rotation records: well formed, and the Q/K weights they rotate are unrotated."""
         decoded = {}
-        for attention in self.rotations.records:
-            for proj in ("q", "k"):
-                export_name = f"{attention}.{proj}"
-                place = wan_to_diffusers(f"{export_name}.weight")
-                decoded[export_name] = (
-                    self._decoded_rows(place.layer),
-                    read_rows(self.original[place.name], ROWS_COMPARED).astype(np.float64),
+        for owner in self.rotations.records:
+            for layer in self.names.attention(owner)[1]:
+                decoded[self._export_layer(layer)] = (
+                    self._decoded_rows(layer),
+                    read_rows(self.original[f"{layer}.weight"], ROWS_COMPARED).astype(np.float64),
                 )
         self.rotations.check(self.original_dir, decoded)
 

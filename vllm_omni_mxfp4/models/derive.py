@@ -1,0 +1,77 @@
+"""A transformer class's checkpoint -> runtime names, derived from the class, as plain data.
+
+The data (what :func:`derive_names` returns, what
+:meth:`vllm_omni_mxfp4.checkpoint.names.ModelNames.from_dict` reads):
+
+- ``model_class``, ``module``: the vLLM-Omni class and the module defining it;
+- ``tensors``: checkpoint tensor name -> ``{"param": runtime parameter, "shard": fused piece id or
+  null}`` where the model's ``load_weights`` put it, or ``{"error": message}`` where its loader
+  refused it; a name the loader skipped is absent (the engine would drop it);
+- ``linears``: runtime module name of every Linear -> ``{"kind": "vllm" | "plain", "quantizable":
+  bool, "prefix": the name its quantization config sees}``. ``quantizable`` is whether the class
+  hands the Linear our quantization config (it builds some without one: BF16 whatever a checkpoint
+  says); ``prefix`` is what ``ignored_layers`` must name (Qwen-Image's ``attn.to_out`` module sees
+  ``attn.to_out.0``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from typing import Any
+
+
+def derive_names(
+    pipeline: str | None,
+    class_name: str,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+) -> dict[str, Any]:
+    """Build vLLM-Omni's ``class_name`` (found through ``pipeline``'s model folder) from a diffusers
+    ``config`` on the meta device and trace where its ``load_weights`` puts each of ``tensors``
+    (name -> (safetensors dtype, shape)). Cached per arguments for the life of the process: the
+    merge asks once per transformer, and two experts of one model share one build."""
+    key = json.dumps(
+        [pipeline, class_name, dict(config), sorted([n, d, list(s)] for n, (d, s) in tensors.items())],
+        sort_keys=True,
+        default=str,
+    )
+    return json.loads(_derive(key))
+
+
+@functools.lru_cache(maxsize=8)
+def _derive(key: str) -> str:
+    from ..config import Mxfp4Config
+    from ..inspection.model import (
+        build_on_meta,
+        find_transformer_class,
+        runtime_linears,
+        trace_loading,
+        world_of_one,
+    )
+
+    pipeline, class_name, config, tensors = json.loads(key)
+    cls = find_transformer_class(class_name, pipeline)
+    with world_of_one() as od_config:
+        # Online mxfp4 as the probe: the Linears that receive it are those a checkpoint can quantize.
+        model = build_on_meta(cls, config, Mxfp4Config(), od_config)
+        linears = {
+            linear.name: {
+                "kind": linear.kind,
+                "quantizable": linear.method != "bf16",
+                "prefix": getattr(model.get_submodule(linear.name), "prefix", None) or linear.name,
+            }
+            for linear in runtime_linears(model)
+        }
+        placed = trace_loading(model, {name: (dtype, tuple(shape)) for name, dtype, shape in tensors})
+    data = {
+        "model_class": cls.__name__,
+        "module": cls.__module__,
+        "tensors": {
+            name: {"error": p.error} if p.error else {"param": p.param, "shard": p.shard}
+            for name, p in placed.items()
+        },
+        "linears": linears,
+    }
+    return json.dumps(data)
