@@ -686,9 +686,10 @@ NOTES: dict[str, str] = {
     "`nn.Linear`, so nothing is quantized (built and loaded with both methods; forward not run)",
     "wan2_2.WanVACETransformer3DModel": "a subclass of `WanTransformer3DModel`; its `vace_blocks` "
     "quantize like the main blocks",
-    "lingbot_world.CausalLingBotWorldTransformer3DModel": "forward not run: it needs the causal KV "
-    "cache and camera conditioning its pipeline builds; built and loaded with both methods (every "
-    "quantized Linear prepared)",
+    "lingbot_world.CausalLingBotWorldTransformer3DModel": "forward not run: with the KV cache its "
+    "pipeline allocates (`allocate_lingbot_cache`) the tiny BF16 build's forward fails on the CPU in "
+    "vLLM-Omni's native rotary embedding (query and cos/sin tables in different layouts); built and "
+    "loaded with both methods (every quantized Linear prepared)",
     "minimax_h3.MiniMaxH3DiTModel": "forward not run: it takes the packed serving contract "
     "(`packed_seq_params`, position and token-tag tensors its pipeline builds); built and loaded with "
     "both methods (every quantized Linear prepared)",
