@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_omni_mxfp4.checkpoint import MergeReport, merge
+from vllm_omni_mxfp4_demo.tiny import tiny_transformer_config
 
 from .producer import (
     NON_BLOCK_EXCLUDES,
@@ -139,3 +140,63 @@ def expert_copy(tmp_path, dual_export):
     shutil.copytree(dual_export.original, original)
     shutil.copytree(dual_export.quant, quant)
     return original, quant
+
+
+# msModelSlim's shipped Wan2.2 recipes (issue #15) -------------------------------------------------
+
+#: Six blocks: the recipes put blocks 0-4 in W8A8 MXFP8 and the others in W4A4 MXFP4; small widths
+#: keep msModelSlim's ceil_x weight search quick.
+RECIPE_TINY = tiny_transformer_config(num_layers=6, num_attention_heads=2, attention_head_dim=64, ffn_dim=256)
+
+
+@dataclass
+class RecipeScenario:
+    """A BF16 pipeline, msModelSlim's export of it with one shipped recipe, and msModelSlim's own
+    quantized Linears (its in-memory fake-quant modules) by transformer folder and original name."""
+
+    recipe: str
+    original: Path
+    quant: Path
+    states: dict[str, dict[str, torch.Tensor]]
+    linears: dict[str, dict[str, torch.nn.Module]]
+
+
+@pytest.fixture(scope="session")
+def recipe_pipeline(tmp_path_factory) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+    pytest.importorskip("diffusers")
+    root = tmp_path_factory.mktemp("recipe-orig") / "Wan2.2-T2V-6-block-Diffusers"
+    return root, build_pipeline(root, config=RECIPE_TINY)
+
+
+def _recipe(recipe: str, pipeline) -> RecipeScenario:
+    pytest.importorskip("msmodelslim")
+    from vllm_omni_mxfp4_demo.tiny.msmodelslim_recipes import cached_recipe_export
+
+    original, states = pipeline
+    quant, linears = cached_recipe_export(recipe, original)
+    return RecipeScenario(recipe, original, quant, states, linears)
+
+
+@pytest.fixture(scope="session")
+def w4a4f4_export(recipe_pipeline) -> RecipeScenario:
+    return _recipe("w4a4f4", recipe_pipeline)
+
+
+@pytest.fixture(scope="session")
+def w4a4f8_export(recipe_pipeline) -> RecipeScenario:
+    return _recipe("w4a4f8", recipe_pipeline)
+
+
+@pytest.fixture(scope="session")
+def merged_recipes(tmp_path_factory, w4a4f4_export, w4a4f8_export) -> dict[str, tuple[Path, MergeReport]]:
+    """Each recipe merged with ``--mxfp8-layers keep``, and w4a4f4 with ``bf16``."""
+    out = tmp_path_factory.mktemp("merged-recipes")
+    merged = {}
+    for name, scenario, policy in (
+        ("w4a4f4", w4a4f4_export, "keep"),
+        ("w4a4f8", w4a4f8_export, "keep"),
+        ("w4a4f4-bf16", w4a4f4_export, "bf16"),
+    ):
+        report = merge("auto", scenario.original, scenario.quant, out / name, mxfp8_layers=policy)
+        merged[name] = out / name, report
+    return merged

@@ -44,9 +44,15 @@ DIM = TINY["num_attention_heads"] * TINY["attention_head_dim"]
 
 
 def build_pipeline(
-    root: Path, *, transformers=("transformer", "transformer_2"), pipeline="WanPipeline", seed: int = 0
+    root: Path,
+    *,
+    transformers=("transformer", "transformer_2"),
+    pipeline="WanPipeline",
+    seed: int = 0,
+    config: dict | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """A diffusers pipeline dir with random BF16 tiny transformers and stand-in components."""
+    """A diffusers pipeline dir with random BF16 tiny transformers (``config``, default :data:`TINY`)
+    and stand-in components."""
     from diffusers import WanTransformer3DModel
 
     root.mkdir(parents=True)
@@ -58,7 +64,7 @@ def build_pipeline(
     }
     for i, folder in enumerate(transformers):
         torch.manual_seed(seed + i)
-        model = WanTransformer3DModel(**TINY)
+        model = WanTransformer3DModel(**(config or TINY))
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(torch.randn_like(p) * 0.05)
