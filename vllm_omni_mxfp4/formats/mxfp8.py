@@ -8,7 +8,8 @@ them), activations quantized at run time with the OCP rule ``floor(log2 amax) - 
 - :func:`e4m3_decode` / :func:`e4m3_encode`: FP8 E4M3 codes <-> values. Decoding reads the bit
   fields (bias 7, subnormals ``m * 2^-9``, 0x7F / 0xFF NaN), independent of torch's cast; encoding is
   torch's ``float8_e4m3fn`` cast (round to nearest even) after saturating to +-448, as the kernels
-  do (torch's cast alone turns values beyond 448 into NaN).
+  do (torch 2.13's CPU cast saturates too, Inf included; clamping first keeps the result independent
+  of the torch version and of the device's cast).
 - :func:`quantize_mxfp8`, :func:`dequantize_mxfp8`, :func:`fake_quantize_mxfp8`: the MX block
   pipeline of :mod:`.mx` with ``elem="fp8"`` and the OCP FLOOR rule (``scale_rules.codes_floor``:
   emax 8 for E4M3; a block whose code would be <= 0 is zeroed, as the NPU does).
