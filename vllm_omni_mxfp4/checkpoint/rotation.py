@@ -134,7 +134,8 @@ def _matrix(ref: TensorRef, head_dim: int) -> np.ndarray:
     error = float(np.abs(r @ r.T - np.eye(head_dim)).max())
     if error > ORTHOGONALITY_TOLERANCE:
         raise CheckpointError(
-            f"{where} is not orthogonal (|R R^T - I| up to {error:.3g}); dropping it would change attention"
+            f"{where} is not orthogonal (R R^T differs from the identity by up to {error:.3g}); dropping "
+            "it would change attention"
         )
     return r
 
