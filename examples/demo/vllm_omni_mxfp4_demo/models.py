@@ -201,6 +201,10 @@ def run_family(
     return record
 
 
+def _cell(value: float | str, digits: int) -> str:
+    return value if isinstance(value, str) else f"{value:.{digits}f}"
+
+
 def format_table(records: dict[str, dict[str, Any]]) -> str:
     """The printed table: one line per family and mode (PSNR / cosine vs BF16, Linears' methods)."""
     lines = [f"{'family':<18} {'mode':<10} {'PSNR dB':>8} {'cosine':>8}  Linears (per transformer)"]
@@ -214,9 +218,8 @@ def format_table(records: dict[str, dict[str, Any]]) -> str:
                 f"{t}: " + ", ".join(f"{n} {m}" for m, n in counts.items())
                 for t, counts in mode["linears"].items()
             )
-            lines.append(
-                f"{record['title']:<18} {name:<10} {mode['psnr_db']:>8} {mode['cosine']:>8}  {methods}"
-            )
+            psnr, cosine = _cell(mode["psnr_db"], 2), _cell(mode["cosine"], 5)
+            lines.append(f"{record['title']:<18} {name:<10} {psnr:>8} {cosine:>8}  {methods}")
     return "\n".join(lines)
 
 
