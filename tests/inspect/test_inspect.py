@@ -105,6 +105,29 @@ def test_bf16_model_lists_what_online_quantization_would_quantize(tiny_dir):
     assert {(t.dtype, t.shape) for t in weight} == {("BF16", (512, 512))} and len(weight) == 3
 
 
+def test_another_model_class_qwen_image(tmp_path):
+    """Nothing Wan-specific: a tiny diffusers Qwen-Image transformer (saved by diffusers itself)
+    gets the fused pieces and BF16 reasons of vLLM-Omni's own class."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from tests.support.models import QWEN_IMAGE
+
+    torch.manual_seed(0)
+    QwenImageTransformer2DModel(**QWEN_IMAGE.config).to(torch.bfloat16).save_pretrained(tmp_path / "qwen")
+    report = inspect_path(tmp_path / "qwen")
+    assert report.ok, report.problems
+    by_name = rows(only(report))
+    block = "transformer_blocks.1"
+    assert by_name[f"{block}.attn.to_qkv"].sources == [f"{block}.attn.to_{p}" for p in "qkv"]
+    assert by_name[f"{block}.attn.add_kv_proj"].sources == [f"{block}.attn.add_{p}_proj" for p in "qkv"]
+    assert by_name[f"{block}.attn.add_kv_proj"].method == "mxfp4"
+    default = by_name[f"{block}.txt_mlp.net.2"]
+    assert (
+        default.method == "bf16" and "kept BF16 by the QwenImageTransformer2DModel default" in default.reason
+    )
+    assert by_name[f"{block}.img_mod.1"].reason == "the model builds it without a quantization config"
+
+
 @pytest.mark.parametrize(
     "fixture, layer, method, precision, reason",
     [

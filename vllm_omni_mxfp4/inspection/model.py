@@ -109,6 +109,18 @@ def world_of_one() -> Iterator[Any]:
         yield od_config
 
 
+def _with_defaults(cls: type, quant_config: Any) -> Any:
+    """``quant_config`` with the class's per-family BF16 default attached where it applies (online,
+    no ``ignored_layers``), as the plugin does where vLLM-Omni builds the class."""
+    from ..config.defaults import FAMILY_DEFAULTS
+    from ..omni.defaults import with_family_default
+
+    for default in FAMILY_DEFAULTS.values():
+        if (default.module, default.class_name) == (cls.__module__, cls.__name__):
+            return with_family_default(quant_config, default)
+    return quant_config
+
+
 def build_on_meta(cls: type, config: Mapping[str, Any], quant: QuantConfig | None, od_config: Any) -> Any:
     """``cls`` built from a diffusers config on the meta device (bf16), as vLLM-Omni's pipelines
     build it: the config keys its ``__init__`` accepts, ``od_config`` where it takes one. Our
@@ -123,7 +135,7 @@ def build_on_meta(cls: type, config: Mapping[str, Any], quant: QuantConfig | Non
     params = {k: v for k, v in config.items() if k != "quantization_config"}
     kwargs = get_transformer_config_kwargs(TransformerConfig(params=params), cls)
     if quant is not None:
-        kwargs["quant_config"] = build_quant_config(replace(quant, backend="emulated"))
+        kwargs["quant_config"] = _with_defaults(cls, build_quant_config(replace(quant, backend="emulated")))
     if "od_config" in pyinspect.signature(cls.__init__).parameters:
         od_config.tf_model_config = TransformerConfig(params=params)
         kwargs["od_config"] = od_config
