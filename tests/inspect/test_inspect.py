@@ -333,6 +333,17 @@ def test_ignored_layers_entry_that_names_no_linear(offline_dirs, tmp_path):
     ), report.problems
 
 
+def test_malformed_json_is_named(offline_dirs, tmp_path):
+    bad = checkpoint_variant(offline_dirs["mxfp4"], tmp_path / "m")
+    (bad / "transformer" / "config.json").write_text('{"_class_name": ')
+    report = inspect_path(bad)
+    assert report.problems == [
+        f"transformer: {bad / 'transformer' / 'config.json'}: not valid JSON (Expecting value: line 1 column 17 (char 16))"
+    ]
+    (bad / "model_index.json").write_text("[]")
+    assert inspect_path(bad).problems == [f"{bad / 'model_index.json'}: expected a JSON object, found list"]
+
+
 def test_fused_pieces_with_different_smooth_vectors(offline_dirs, tmp_path):
     bad = checkpoint_variant(
         offline_dirs["mxfp4"], tmp_path / "m", tensors=_set("blocks.1.attn1.to_v.mul_scale", 3, 2.0)

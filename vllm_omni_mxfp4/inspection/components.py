@@ -43,6 +43,17 @@ ONLINE_NOTE = (
 )
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file; ``ValueError`` naming the file when it is not one (``OSError`` passes)."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
 def find_components(path: Path) -> tuple[str | None, list[tuple[str, Path]]]:
     """The pipeline class (``model_index.json`` ``_class_name``) and the components to inspect:
     every component directory with a ``config.json`` naming a ``_class_name`` whose name says it is a
@@ -54,7 +65,7 @@ def find_components(path: Path) -> tuple[str | None, list[tuple[str, Path]]]:
                 f"{path}: neither model_index.json (a pipeline) nor config.json (a component)"
             )
         return None, [(path.name, path)]
-    entries = json.loads(index.read_text())
+    entries = _read_json(index)
     components = [
         (name, path / name)
         for name, value in entries.items()
@@ -155,7 +166,11 @@ def _walk(report: ComponentReport, pipeline: str | None, config: dict, quant, ar
 def inspect_component(name: str, directory: Path, pipeline: str | None) -> ComponentReport:
     """The report of one component directory."""
     report = ComponentReport(name, str(directory))
-    config = json.loads((directory / "config.json").read_text())
+    try:
+        config = _read_json(directory / "config.json")
+    except ValueError as exc:
+        report.problems.append(str(exc))
+        return report
     report.class_name = config.get("_class_name")
     nvfp4, quant = _detect(report, directory, config)
     if quant is None:
@@ -190,7 +205,10 @@ def inspect_path(path: str | Path, component: str | None = None) -> InspectRepor
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a directory")
-    pipeline, components = find_components(path)
+    try:
+        pipeline, components = find_components(path)
+    except ValueError as exc:  # an unreadable model_index.json: nothing else can be inspected
+        return InspectReport(str(path), errors=[str(exc)])
     if component is not None:
         known = [name for name, _ in components]
         components = [(name, d) for name, d in components if name == component]

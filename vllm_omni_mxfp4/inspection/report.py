@@ -112,10 +112,12 @@ class InspectReport:
 
     path: str
     components: list[ComponentReport] = field(default_factory=list)
+    #: Problems of the path itself (an unreadable ``model_index.json``).
+    errors: list[str] = field(default_factory=list)
 
     @property
     def problems(self) -> list[str]:
-        return [f"{c.name}: {p}" for c in self.components for p in c.all_problems()]
+        return self.errors + [f"{c.name}: {p}" for c in self.components for p in c.all_problems()]
 
     @property
     def ok(self) -> bool:
@@ -177,7 +179,7 @@ def _component_lines(c: ComponentReport) -> list[str]:
 
 def format_table(report: InspectReport) -> str:
     """The human-readable report: one block per component, then the summary line."""
-    lines: list[str] = []
+    lines = [f"problem: {error}" for error in report.errors]
     for component in report.components:
         lines.extend(_component_lines(component))
         lines.append("")
