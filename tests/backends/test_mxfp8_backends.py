@@ -134,3 +134,22 @@ def test_rocm_refuses_mxfp8_naming_the_alternatives(vllm_env, monkeypatch):
     with pytest.raises(NotImplementedError, match="MXFP8 W8A8 .* is not supported by the ROCm backend"):
         build(vllm_env, {**SPEC, "backend": "rocm"}, {})
     assert type(KernelSelector("emulated").kernel_for(spec)).__name__ == "EmulatedMxfp8"
+
+
+def test_npu_row_shard_with_k_padding_equals_emulated(fake_npu, plain_layer):
+    """A row-parallel shard whose K range starts inside a block: rank 1 of K=192 over TP=4 holds
+    inputs [48, 96), pads 16 zero inputs in front to line up with the scales of blocks 1-2."""
+    from vllm_omni_mxfp4.config import Precision
+    from vllm_omni_mxfp4.kernels import EmulatedMxfp8
+
+    w, _, x = weights(64, k=192)
+    data, scale = quantize_mxfp8(w)
+    layer = plain_layer({"weight": data[:, 48:96].contiguous(), "weight_scale": scale[:, 1:3].contiguous()})
+    spec = MxLayerSpec("blocks.0.ffn.net_2", "mxfp8", "floor", 48, N, k_pad_front=16)
+    xs = x.reshape(-1, 192)[:, 48:96]
+    outs = []
+    for kernel in (NpuMxfp8(), EmulatedMxfp8(compute_dtype="float32")):
+        outs.append(kernel.apply(layer, kernel.prepare(layer, spec, None), xs, None, Precision.W8A8))
+    assert_within_rounding(*outs)
+    padded = [c[1][1] for c in fake_npu.calls if c[0] == "npu_quant_matmul"][-1]
+    assert tuple(padded.shape) == (64, N)  # the weight's K padded to whole blocks, transposed
