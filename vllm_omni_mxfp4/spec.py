@@ -96,7 +96,9 @@ class ValueRule:
     module (``numpy`` or ``torch``; both have ``isfinite`` and the operators used). ``expected``
     says in words what a valid value is, and ``cause`` what usually produced an invalid one. Every
     rule marks the values outside one interval (and NaN): a tensor is valid exactly when its minimum
-    and maximum are, which lets the loader decide with one ``aminmax`` pass.
+    and maximum are, which lets the loader decide with one ``aminmax`` pass. (``e4m3`` is stated over
+    the uint8 codes; on their magnitude bits, ``code & 0x7F``, it is the interval ``[0, 0x7E]``, and
+    the loader checks those.)
     """
 
     name: str
