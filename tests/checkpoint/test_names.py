@@ -1,4 +1,5 @@
-"""The Wan2.2 name tables against golden lists written from diffusers' conversion script and the runtime."""
+"""The Wan2.2 name tables against golden lists written from diffusers' conversion script and the runtime
+(the runtime side of the merge is derived from vLLM-Omni's classes: test_names_models.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import pytest
 from vllm_omni_mxfp4.checkpoint import CheckpointError
 from vllm_omni_mxfp4.checkpoint.names import (
     diffusers_to_wan,
-    fused_qkv_group,
-    is_runtime_quantizable,
     natural_key,
     parse_diffusers,
     runtime_layer_name,
@@ -156,18 +155,6 @@ def test_runtime_names(layer, runtime):
 def test_runtime_name_of_a_non_linear_is_an_error(layer):
     with pytest.raises(CheckpointError):
         runtime_layer_name(layer)
-
-
-def test_only_block_linears_are_runtime_quantizable():
-    assert all(is_runtime_quantizable(layer) for layer, _ in RUNTIME if layer.startswith("blocks."))
-    assert not any(is_runtime_quantizable(layer) for layer, _ in RUNTIME if not layer.startswith("blocks."))
-    assert not is_runtime_quantizable("blocks.5.norm2")
-
-
-def test_fused_qkv_group():
-    assert [fused_qkv_group(f"blocks.3.attn1.to_{c}") for c in "qkv"] == ["blocks.3.attn1"] * 3
-    assert fused_qkv_group("blocks.3.attn2.to_q") is None
-    assert fused_qkv_group("blocks.3.attn1.to_out.0") is None
 
 
 def test_natural_order():

@@ -7,7 +7,6 @@ from .errors import CheckpointError
 from .merger import AUTO, MODEL_TYPES, MergeReport, merge, resolve_model_type
 from .names import (
     diffusers_to_wan,
-    is_runtime_quantizable,
     runtime_layer_name,
     strip_smooth_wrapper,
     wan_to_diffusers,
@@ -24,7 +23,6 @@ __all__ = [
     "MergeReport",
     "TransformerReport",
     "diffusers_to_wan",
-    "is_runtime_quantizable",
     "merge",
     "plan_transformer",
     "resolve_model_type",

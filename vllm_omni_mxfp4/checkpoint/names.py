@@ -99,9 +99,6 @@ _RUNTIME_BLOCK_LINEARS: dict[str, str] = {
     "ffn.net.2": "ffn.net_2",
 }
 
-#: The self-attention projections vLLM-Omni fuses into one ``attn1.to_qkv``.
-FUSED_QKV = ("attn1.to_q", "attn1.to_k", "attn1.to_v")
-
 _BLOCK_RE = re.compile(r"blocks\.(0|[1-9][0-9]*)\.(.+)")
 
 _INVERSE_ROOT_MODULES = {d: (o, k) for o, (d, k) in _ROOT_MODULES.items()}
@@ -214,24 +211,6 @@ def runtime_layer_name(layer: str) -> str:
     if suffix not in _RUNTIME_BLOCK_LINEARS:
         raise CheckpointError(f"{layer!r} is not a Wan2.2 block Linear")
     return f"blocks.{match.group(1)}.{_RUNTIME_BLOCK_LINEARS[suffix]}"
-
-
-def is_runtime_quantizable(layer: str) -> bool:
-    """Whether vLLM-Omni builds this diffusers Linear as a quantizable vLLM Linear.
-
-    Only the Linears of the transformer blocks are; the condition embedders and ``proj_out`` are
-    plain ``nn.Linear`` modules that always run in BF16.
-    """
-    match = _BLOCK_RE.fullmatch(layer)
-    return match is not None and match.group(2) in _RUNTIME_BLOCK_LINEARS
-
-
-def fused_qkv_group(layer: str) -> str | None:
-    """``blocks.N.attn1`` for the self-attention Q/K/V projections of block N, else ``None``."""
-    match = _BLOCK_RE.fullmatch(layer)
-    if match is None or match.group(2) not in FUSED_QKV:
-        return None
-    return f"blocks.{match.group(1)}.attn1"
 
 
 natural_key = layer_order
