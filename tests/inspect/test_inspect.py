@@ -153,7 +153,7 @@ def test_mxfp8_layers_of_an_offline_checkpoint(mxfp8_dir, tmp_path):
     assert report.ok, report.problems
     by_name = rows(only(report))
     fp8 = by_name["blocks.0.attn2.to_q"]
-    assert (fp8.method, fp8.precision, fp8.label) == ("mxfp8", "w8a8", "W8A8")
+    assert (fp8.method, fp8.precision, fp8.label, fp8.smooth) == ("mxfp8", "w8a8", "W8A8", None)
     assert {t.role: (t.dtype, t.shape) for t in fp8.tensors} == {
         "weight": ("F8_E4M3", (512, 512)),
         "weight_scale": ("U8", (512, 16)),

@@ -238,7 +238,8 @@ def layer_row(lin: RuntimeLinear, feeds: list[Feed], quant: QuantConfig | None, 
     """The row of one runtime Linear: how it runs, its tensors, its problems."""
     row = base_row(lin, feeds)
     if lin.method in spec.FORMATS and quant is not None and quant.is_serialized:
-        row.smooth = any(f.role == MUL_SCALE for f in feeds)
+        if any(record.name == MUL_SCALE for record in spec.checkpoint_tensors(lin.method)):
+            row.smooth = any(f.role == MUL_SCALE for f in feeds)  # None: the format has no Smooth
         row.problems = _check_quantized(lin, feeds, quant, packed)
     else:
         row.problems = _check_float(lin, feeds, quant, packed)

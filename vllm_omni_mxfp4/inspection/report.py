@@ -153,12 +153,20 @@ def _tensor_text(row: LayerRow) -> str:
     return ", ".join(parts) or "(no tensors)"
 
 
+def _fact_text(value: Any) -> str:
+    """A config value as JSON; a long list as its first entries and its length (``--json`` has all)."""
+    if isinstance(value, list) and len(value) > 4:
+        shown = ", ".join(json.dumps(v) for v in value[:3])
+        return f"[{shown}, ...] ({len(value)} entries)"
+    return json.dumps(value)
+
+
 def _component_lines(c: ComponentReport) -> list[str]:
     head = f"{c.name}  ({c.class_name or 'unknown class'}, {c.path})"
     lines = [head, f"  checkpoint: {c.source}"]
     if c.method:
         lines.append(f"  method: {c.method} {c.mode or ''}".rstrip())
-    lines.extend(f"  {key}: {json.dumps(value)}" for key, value in c.facts.items())
+    lines.extend(f"  {key}: {_fact_text(value)}" for key, value in c.facts.items())
     if c.layers:
         width = max(len(row.name) for row in c.layers)
         lines.append(
