@@ -181,3 +181,11 @@ def test_column_parallel_shards_take_their_rows_of_weight_and_scale(vllm_env, as
         with vllm_env.context(), torch.no_grad():
             outs.append(layer.quant_method.apply(layer, x, layer.bias))
     assert torch.equal(torch.cat(outs, dim=-1), run(vllm_env, full, x))
+
+
+def test_an_odd_k_is_held_one_element_a_byte(vllm_env):
+    ckpt, b, x = _ckpt(97, k=97)
+    layer = build(vllm_env, SPEC, ckpt, bias=b, k=97)
+    assert tuple(layer.weight_scale.shape) == (N, 4)  # a zero-padded last block
+    want = reference(x, dequantize_mxfp8(*ckpt.values()), b, act="fp8", rule="floor")
+    assert torch.equal(run(vllm_env, layer, x), want)

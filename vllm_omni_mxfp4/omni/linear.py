@@ -86,6 +86,8 @@ class MxLinearMethod(LinearMethodBase):
     serialized_infix: ClassVar[str] = ""
     #: The error for a tensor of another format (``{where}``: prefix.name), or None to ignore it.
     foreign_tensor_error: ClassVar[str | None] = None
+    #: The weight is packed FP4 (two inputs a byte), which needs an even K per partition.
+    packed_fp4: ClassVar[bool] = True
 
     def __init__(
         self, config: QuantConfig, route: LayerRoute, prefix: str, kernels: KernelSelector | None = None
@@ -133,7 +135,8 @@ class MxLinearMethod(LinearMethodBase):
         """Choose the kernel, then register a lazy BF16 weight (online) or the checkpoint tensors."""
         vllm_loader = extra_weight_attrs.pop("weight_loader")
         n, k = sum(output_partition_sizes), input_size_per_partition
-        check_quantizable(self.prefix, self.method_name, k, input_size, getattr(layer, "tp_size", 1))
+        if self.packed_fp4:
+            check_quantizable(self.prefix, self.method_name, k, input_size, getattr(layer, "tp_size", 1))
         layer._mx = self._new_state(layer, n, k, input_size)
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition = k

@@ -49,6 +49,7 @@ class Mxfp8LinearMethod(MxLinearMethod):
     """MXFP8 W8A8: E4M3 weights and activations with one E8M0 scale per 32 inputs (offline only)."""
 
     method_name = "mxfp8"
+    packed_fp4 = False  # one E4M3 element a byte: any K
     foreign_tensor_error = (
         "A layer listed in mxfp8_layers cannot load {where}: an MXFP8 W8A8 layer stores weight "
         "(float8_e4m3fn), weight_scale and bias only. The checkpoint stores this layer in another format: "
