@@ -50,16 +50,17 @@ ALSO_RUN: dict[str, str] = {
     "`vllm serve --omni`, BF16 / online / offline",
 }
 
-# The transformer each end-to-end family's pipeline (model_index.json _class_name) builds.
-E2E_PIPELINES: dict[str, str] = {
-    "WanPipeline": "wan2_2.WanTransformer3DModel",
-    "WanImageToVideoPipeline": "wan2_2.WanTransformer3DModel",
-    "QwenImagePipeline": "qwen_image.QwenImageTransformer2DModel",
-    "FluxPipeline": "flux.FluxTransformer2DModel",
-    "Flux2Pipeline": "flux2.Flux2Transformer2DModel",
-    "Flux2KleinPipeline": "flux2_klein.Flux2Transformer2DModel",
-    "HunyuanVideo15Pipeline": "hunyuan_video.HunyuanVideo15Transformer3DModel",
-    "ZImagePipeline": "z_image.ZImageTransformer2DModel",
+# The transformer each end-to-end family (docs/models_e2e.json, python -m vllm_omni_mxfp4_demo.models)
+# runs; tests/models/test_model_table.py fails on a family missing here.
+E2E_FAMILIES: dict[str, str] = {
+    "wan22_t2v_a14b": "wan2_2.WanTransformer3DModel",
+    "wan22_i2v_a14b": "wan2_2.WanTransformer3DModel",
+    "wan22_ti2v_5b": "wan2_2.WanTransformer3DModel",
+    "qwen_image": "qwen_image.QwenImageTransformer2DModel",
+    "flux1_dev": "flux.FluxTransformer2DModel",
+    "flux2_klein": "flux2_klein.Flux2Transformer2DModel",
+    "hunyuan_video_15": "hunyuan_video.HunyuanVideo15Transformer3DModel",
+    "z_image": "z_image.ZImageTransformer2DModel",
 }
 
 TRANSFORMER_NAME = re.compile(r"(Transformer[23]DModel|DiTModel)$")
@@ -99,6 +100,7 @@ MEASURED: dict[str, dict] = {
         "packed": {"attn1.to_qkv": ["attn1.to_q", "attn1.to_k", "attn1.to_v"]},
         "cosine": {"mxfp4": 0.9997, "mxfp4_dualscale": 0.99976},
         "contribution": {"mxfp4": 0.96911, "mxfp4_dualscale": 0.97481},
+        "max_abs": {"mxfp4": 0.12109, "mxfp4_dualscale": 0.08594},
     },
     "qwen_image.QwenImageTransformer2DModel": {
         "quantized": 14,
@@ -121,6 +123,7 @@ MEASURED: dict[str, dict] = {
         },
         "cosine": {"mxfp4": 0.9986, "mxfp4_dualscale": 0.9985},
         "contribution": {"mxfp4": 0.96888, "mxfp4_dualscale": 0.96715},
+        "max_abs": {"mxfp4": 0.17969, "mxfp4_dualscale": 0.20312},
     },
     "flux.FluxTransformer2DModel": {
         "quantized": 3,
@@ -160,6 +163,7 @@ MEASURED: dict[str, dict] = {
         },
         "cosine": {"mxfp4": 0.99795, "mxfp4_dualscale": 0.99778},
         "contribution": {"mxfp4": 0.96766, "mxfp4_dualscale": 0.96473},
+        "max_abs": {"mxfp4": 0.24219, "mxfp4_dualscale": 0.27344},
     },
     "flux2.Flux2Transformer2DModel": {
         "quantized": 10,
@@ -189,6 +193,7 @@ MEASURED: dict[str, dict] = {
         },
         "cosine": {"mxfp4": 0.99757, "mxfp4_dualscale": 0.99782},
         "contribution": {"mxfp4": 0.95547, "mxfp4_dualscale": 0.9595},
+        "max_abs": {"mxfp4": 0.26868, "mxfp4_dualscale": 0.25781},
     },
     "flux2_klein.Flux2Transformer2DModel": {
         "quantized": 10,
@@ -216,6 +221,7 @@ MEASURED: dict[str, dict] = {
         },
         "cosine": {"mxfp4": 0.999, "mxfp4_dualscale": 0.99903},
         "contribution": {"mxfp4": 0.95555, "mxfp4_dualscale": 0.95518},
+        "max_abs": {"mxfp4": 0.17578, "mxfp4_dualscale": 0.17188},
     },
     "z_image.ZImageTransformer2DModel": {
         "quantized": 12,
@@ -240,6 +246,7 @@ MEASURED: dict[str, dict] = {
         "packed": {"to_qkv": ["to_q", "to_k", "to_v"], "w13": ["w1", "w3"]},
         "cosine": {"mxfp4": 0.97938, "mxfp4_dualscale": 0.97424},
         "contribution": {"mxfp4": 0.94837, "mxfp4_dualscale": 0.93616},
+        "max_abs": {"mxfp4": 0.7168, "mxfp4_dualscale": 0.78906},
     },
     "hunyuan_video.HunyuanVideo15Transformer3DModel": {
         "quantized": 8,
@@ -276,6 +283,7 @@ MEASURED: dict[str, dict] = {
         },
         "cosine": {"mxfp4": 0.99998, "mxfp4_dualscale": 0.99998},
         "contribution": {"mxfp4": 0.95142, "mxfp4_dualscale": 0.94605},
+        "max_abs": {"mxfp4": 0.01953, "mxfp4_dualscale": 0.02344},
     },
     "ltx2.LTX2VideoTransformer3DModel": {
         "quantized": 26,
@@ -315,6 +323,7 @@ MEASURED: dict[str, dict] = {
         },
         "cosine": {"mxfp4": 0.99551, "mxfp4_dualscale": 0.99594},
         "contribution": {"mxfp4": 0.96489, "mxfp4_dualscale": 0.96826},
+        "max_abs": {"mxfp4": 0.41211, "mxfp4_dualscale": 0.38281},
     },
     "ernie_image.ErnieImageTransformer2DModel": {
         "quantized": 14,
@@ -331,6 +340,7 @@ MEASURED: dict[str, dict] = {
         "packed": {},
         "cosine": {"mxfp4": 0.99999, "mxfp4_dualscale": 0.99999},
         "contribution": {"mxfp4": 0.90155, "mxfp4_dualscale": 0.8819},
+        "max_abs": {"mxfp4": 0.01562, "mxfp4_dualscale": 0.01562},
     },
     "helios.HeliosTransformer3DModel": {
         "quantized": 16,
@@ -347,6 +357,7 @@ MEASURED: dict[str, dict] = {
         "packed": {"attn1.to_qkv": ["attn1.to_q", "attn1.to_k", "attn1.to_v"]},
         "cosine": {"mxfp4": 0.99977, "mxfp4_dualscale": 0.99979},
         "contribution": {"mxfp4": 0.96993, "mxfp4_dualscale": 0.97149},
+        "max_abs": {"mxfp4": 0.08594, "mxfp4_dualscale": 0.09375},
     },
     "flux.FluxKontextTransformer2DModel": {
         "quantized": 3,
@@ -386,6 +397,7 @@ MEASURED: dict[str, dict] = {
         },
         "cosine": {"mxfp4": 0.99795, "mxfp4_dualscale": 0.99778},
         "contribution": {"mxfp4": 0.96766, "mxfp4_dualscale": 0.96473},
+        "max_abs": {"mxfp4": 0.24219, "mxfp4_dualscale": 0.27344},
     },
     "ming_flash_omni.MingZImageTransformer2DModel": {
         "quantized": 12,
@@ -410,6 +422,7 @@ MEASURED: dict[str, dict] = {
         "packed": {"to_qkv": ["to_q", "to_k", "to_v"], "w13": ["w1", "w3"]},
         "cosine": {"mxfp4": 0.97938, "mxfp4_dualscale": 0.97424},
         "contribution": {"mxfp4": 0.94837, "mxfp4_dualscale": 0.93616},
+        "max_abs": {"mxfp4": 0.7168, "mxfp4_dualscale": 0.78906},
     },
     "ming_image.MingImageTransformer2DModel": {
         "quantized": 12,
@@ -434,6 +447,7 @@ MEASURED: dict[str, dict] = {
         "packed": {"to_qkv": ["to_q", "to_k", "to_v"], "w13": ["w1", "w3"]},
         "cosine": {"mxfp4": 0.97938, "mxfp4_dualscale": 0.97424},
         "contribution": {"mxfp4": 0.94837, "mxfp4_dualscale": 0.93616},
+        "max_abs": {"mxfp4": 0.7168, "mxfp4_dualscale": 0.78906},
     },
     "wan2_2.WanVACETransformer3DModel": {
         "quantized": 24,
@@ -452,6 +466,7 @@ MEASURED: dict[str, dict] = {
         "packed": {"attn1.to_qkv": ["attn1.to_q", "attn1.to_k", "attn1.to_v"]},
         "cosine": {"mxfp4": 0.99986, "mxfp4_dualscale": 0.99987},
         "contribution": {"mxfp4": 0.9691, "mxfp4_dualscale": 0.97115},
+        "max_abs": {"mxfp4": 0.07812, "mxfp4_dualscale": 0.07812},
     },
     "krea2.Krea2Transformer2DModel": {
         "quantized": 40,
@@ -461,6 +476,7 @@ MEASURED: dict[str, dict] = {
         "packed": {},
         "cosine": {"mxfp4": 0.88182, "mxfp4_dualscale": 0.89508},
         "contribution": {"mxfp4": 0.88183, "mxfp4_dualscale": 0.89508},
+        "max_abs": {"mxfp4": 3.26562, "mxfp4_dualscale": 3.21875},
     },
     "omnigen2.OmniGen2Transformer2DModel": {
         "quantized": 20,
@@ -493,6 +509,7 @@ MEASURED: dict[str, dict] = {
         },
         "cosine": {"mxfp4": 0.99167, "mxfp4_dualscale": 0.99231},
         "contribution": {"mxfp4": 0.95067, "mxfp4_dualscale": 0.95502},
+        "max_abs": {"mxfp4": 0.46875, "mxfp4_dualscale": 0.45312},
     },
     "boogu_image.BooguImageTransformer2DModel": {
         "quantized": 37,
@@ -532,6 +549,7 @@ MEASURED: dict[str, dict] = {
         },
         "cosine": {"mxfp4": 0.97426, "mxfp4_dualscale": 0.97595},
         "contribution": {"mxfp4": 0.97431, "mxfp4_dualscale": 0.97599},
+        "max_abs": {"mxfp4": 0.80469, "mxfp4_dualscale": 0.69922},
     },
     "glm_image.GlmImageTransformer2DModel": {
         "quantized": 14,
@@ -548,6 +566,7 @@ MEASURED: dict[str, dict] = {
         "packed": {"to_qkv": ["to_q", "to_k", "to_v"]},
         "cosine": {"mxfp4": 0.9918, "mxfp4_dualscale": 0.9939},
         "contribution": {"mxfp4": 0.94864, "mxfp4_dualscale": 0.96167},
+        "max_abs": {"mxfp4": 0.42188, "mxfp4_dualscale": 0.36694},
     },
     "hidream_image.HiDreamImageTransformer2DModel": {
         "quantized": 0,
@@ -598,6 +617,7 @@ MEASURED: dict[str, dict] = {
         },
         "cosine": {},
         "contribution": {},
+        "max_abs": {},
     },
     "lingbot_world.CausalLingBotWorldTransformer3DModel": {
         "quantized": 22,
@@ -614,6 +634,7 @@ MEASURED: dict[str, dict] = {
         "packed": {"qkv": ["q", "k", "v"]},
         "cosine": {},
         "contribution": {},
+        "max_abs": {},
     },
     "minimax_h3.MiniMaxH3DiTModel": {
         "quantized": 16,
@@ -635,6 +656,7 @@ MEASURED: dict[str, dict] = {
         "packed": {"attn.qkv_proj": ["attn.to_q", "attn.to_k", "attn.to_v"]},
         "cosine": {},
         "contribution": {},
+        "max_abs": {},
     },
     "sana_wm.SanaWmTransformer3DModel": {
         "quantized": 32,
@@ -644,6 +666,7 @@ MEASURED: dict[str, dict] = {
         "packed": {},
         "cosine": {},
         "contribution": {},
+        "max_abs": {},
     },
 }
 
@@ -799,7 +822,8 @@ def _measured_cells(t: Transformer) -> list[str]:
     packed = "; ".join(f"`{k}` <- {', '.join(f'`{c}`' for c in v)}" for k, v in m["packed"].items())
     fused = _names(m["fused"]) + (f"<br>({packed})" if packed else "")
     cosine = "<br>".join(
-        f"{method} {value:.5f} ({m['contribution'][method]:.3f})" for method, value in m["cosine"].items()
+        f"{method} {value:.5f} ({m['contribution'][method]:.3f}), max {m['max_abs'][method]:.3g}"
+        for method, value in m["cosine"].items()
     )
     cosine = cosine or "forward not run (notes)"
     return [str(m["quantized"]), _names(m["plain"]), _names(m["unquantized"]), fused, cosine, note]
@@ -847,7 +871,8 @@ def render(transformers: list[Transformer] | None = None) -> str:
         "## Measured online",
         "",
         "| transformer | Linears quantized | BF16: `nn.Linear` | BF16: vLLM Linear (no config, or a family default) |"
-        " fused (runtime; <- checkpoint names) | cosine vs BF16 (of the quantized Linears' contribution) |"
+        " fused (runtime; <- checkpoint names) | cosine vs BF16 (of the quantized Linears' contribution),"
+        " max abs error |"
         " notes |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -857,23 +882,31 @@ def render(transformers: list[Transformer] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def e2e_records(path: Path = E2E_RESULTS) -> list[dict]:
-    """The end-to-end families run through ``Omni(...)`` (``python -m vllm_omni_mxfp4_demo.models``
-    writes the file); none when it does not exist yet."""
+def e2e_records(path: Path = E2E_RESULTS) -> dict[str, dict]:
+    """The end-to-end families run through ``Omni(...)``, by family key (``python -m
+    vllm_omni_mxfp4_demo.models`` writes the file); none when it does not exist yet."""
     if not path.exists():
-        return []
-    return list(json.loads(path.read_text(encoding="utf-8"))["families"].values())
+        return {}
+    return dict(json.loads(path.read_text(encoding="utf-8"))["families"])
 
 
 def _e2e_cell(records: list[dict]) -> str:
     runs = []
     for r in records:
-        modes = {k: v for k, v in r.get("modes", {}).items() if k != "bf16"}
-        numbers = ", ".join(f"{k} {v['cosine']} / {v['psnr_db']} dB" for k, v in modes.items())
-        runs.append(
-            f"{r['title']}: {numbers}" if numbers else f"{r['title']}: not run ({r.get('unsupported')})"
+        if "unsupported" in r:
+            runs.append(f"{r['title']}: not run ([why](e2e_models.md))")
+            continue
+        numbers = ", ".join(
+            f"{name} {mode['cosine']} / {_db(mode['psnr_db'])}"
+            for name, mode in r["modes"].items()
+            if name != "bf16"
         )
+        runs.append(f"{r['title']}: {numbers}")
     return "<br>".join(runs)
+
+
+def _db(value: float | str) -> str:
+    return f"{value:.1f} dB" if isinstance(value, (int, float)) else f"{value} dB"
 
 
 def offline_types() -> dict[str, tuple[str, ...]]:
@@ -896,7 +929,7 @@ def _guide_row(t: Transformer, e2e: dict[str, list[dict]], offline: dict[str, tu
     merged = offline.get(t.name, ())
     offline_cell = ", ".join(f"`{name}`" for name in merged) or "no"
     ran = ["tiny transformer, " + ("one forward" if m["cosine"] else "built and loaded")]
-    if t.key in e2e:
+    if any("modes" in record for record in e2e.get(t.key, [])):
         ran.append("tiny pipeline through `Omni(...)`")
     if merged:
         ran.append("merge of msModelSlim exports (tests/checkpoint)")
@@ -907,12 +940,11 @@ def _guide_row(t: Transformer, e2e: dict[str, list[dict]], offline: dict[str, tu
     return f"| `{t.key}` | {online} | {offline_cell} | {'; '.join(ran)} | {cosine} | {e2e_cell} |"
 
 
-def guide_table(transformers: list[Transformer], e2e: list[dict]) -> list[str]:
+def guide_table(transformers: list[Transformer], e2e: dict[str, dict]) -> list[str]:
     """The user guide's model table: one row per transformer class that takes a quantization config."""
     by_class: dict[str, list[dict]] = {}
-    for record in e2e:
-        if "pipeline" in record:
-            by_class.setdefault(E2E_PIPELINES[record["pipeline"]], []).append(record)
+    for family, record in e2e.items():
+        by_class.setdefault(E2E_FAMILIES[family], []).append(record)
     lines = [
         GUIDE_BEGIN,
         "",
@@ -925,7 +957,7 @@ def guide_table(transformers: list[Transformer], e2e: list[dict]) -> list[str]:
     return [*lines, "", GUIDE_END]
 
 
-def render_guide(text: str, transformers: list[Transformer], e2e: list[dict]) -> str:
+def render_guide(text: str, transformers: list[Transformer], e2e: dict[str, dict]) -> str:
     """``text`` (the user guide) with its model table regenerated between the markers."""
     lines = text.splitlines()
     if GUIDE_BEGIN not in lines or GUIDE_END not in lines:

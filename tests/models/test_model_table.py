@@ -33,18 +33,21 @@ def test_offline_column_names_a_transformer_for_every_merge_model_type():
     assert {"Wan2.2-T2V-A14B", "Wan2.2-I2V-A14B", "Wan2.2-TI2V-5B"} <= set(offline["WanTransformer3DModel"])
 
 
-def test_every_e2e_family_names_a_known_pipeline(tmp_path):
+def test_every_e2e_family_names_its_transformer(tmp_path):
     tool = table_tool()
-    for record in tool.e2e_records():
-        assert record.get("pipeline", "Wan") in tool.E2E_PIPELINES or "unsupported" in record, record
+    assert set(tool.e2e_records()) <= set(tool.E2E_FAMILIES), "add the family to E2E_FAMILIES"
+    assert set(tool.E2E_FAMILIES.values()) <= {t.key for t in scanned()}
     results = tmp_path / "e2e.json"
     results.write_text(
-        '{"families": {"qwen": {"title": "Qwen-Image", "pipeline": "QwenImagePipeline", "modes": '
-        '{"bf16": {"cosine": 1.0, "psnr_db": "inf"}, "mxfp4": {"cosine": 0.99, "psnr_db": 40.1}}}}}'
+        '{"families": {"qwen_image": {"title": "Qwen-Image", "pipeline": "QwenImagePipeline", "modes": '
+        '{"bf16": {"cosine": 1.0, "psnr_db": "inf"}, "mxfp4": {"cosine": 0.99, "psnr_db": 40.14}}}, '
+        '"z_image": {"title": "Z-Image", "unsupported": "no tiny pipeline: why"}}}'
     )
     rows = tool.guide_table(list(scanned()), tool.e2e_records(results))
     [qwen] = [r for r in rows if r.startswith("| `qwen_image.QwenImageTransformer2DModel`")]
     assert "Qwen-Image: mxfp4 0.99 / 40.1 dB" in qwen and "tiny pipeline through `Omni(...)`" in qwen
+    [z_image] = [r for r in rows if r.startswith("| `z_image.ZImageTransformer2DModel`")]
+    assert "Z-Image: not run ([why](e2e_models.md))" in z_image and "Omni" not in z_image
 
 
 def test_every_transformer_that_takes_a_quant_config_is_a_case():

@@ -50,6 +50,8 @@ MIN_CONTRIBUTION_BY_MODEL = {
 QUANTIZES_NOTHING = {"hidream_image.HiDreamImageTransformer2DModel"}
 # the table's cosine is the measurement of the day, not a bound: it may drift this much
 COSINE_DRIFT = 2e-3
+# and its largest absolute error (one element, in BF16 steps of the output) this fraction of itself
+MAX_ABS_DRIFT = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +101,11 @@ def test_table_records_what_the_model_quantizes(measured, key):
         assert set(got[kind]) == set(want[kind]), hint
         for method in got[kind]:
             assert abs(got[kind][method] - want[kind][method]) <= COSINE_DRIFT, f"{kind}: {hint}"
+    assert set(got["max_abs"]) == set(want["max_abs"]), hint
+    for method, value in got["max_abs"].items():
+        assert abs(value - want["max_abs"][method]) <= MAX_ABS_DRIFT * want["max_abs"][method], (
+            f"max_abs: {hint}"
+        )
 
 
 def test_every_measured_model_is_a_case():

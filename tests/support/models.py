@@ -301,6 +301,7 @@ def record(m: Measurement) -> dict:
         "packed": m.packed,
         "cosine": {method: round(value, 5) for method, value in m.cosine.items()},
         "contribution": {method: round(value, 5) for method, value in m.contribution.items()},
+        "max_abs": {method: round(value, 5) for method, value in m.max_abs.items()},
     }
 
 
