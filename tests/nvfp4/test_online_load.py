@@ -240,3 +240,16 @@ def test_dualscale_is_refused_naming_the_component(vllm_env, tmp_path):
     spec = {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0, "backend": "emulated"}
     with pytest.raises(ValueError, match=r"transformer \(.*config.json.*\) declares an NVFP4 checkpoint"):
         build_via_pipeline(vllm_env, model_dir_with(tmp_path, "nvfp4"), spec)
+
+
+def test_start_up_keeps_an_nvfp4_config_vllm_omni_cannot_build(vllm_env):
+    """vLLM-Omni 0.30 looks compressed-tensors up as 'compressed_tensors' when the engine starts."""
+    from vllm_omni.diffusion.data import TransformerConfig
+
+    from tests.nvfp4.producers.compressed import ct_config
+
+    config = TransformerConfig.from_dict({"num_layers": 1, "quantization_config": ct_config(["proj_out"])})
+    assert config.quant_config is None and config.quant_method == "compressed-tensors"
+    assert config.get("num_layers") == 1
+    with pytest.raises(ValueError, match="Unknown quantization method: 'no_such_method'"):
+        TransformerConfig.from_dict({"quantization_config": {"quant_method": "no_such_method"}})
