@@ -308,6 +308,21 @@ def test_quantized_layer_listed_as_ignored_is_named(offline_dirs, tmp_path):
     )
 
 
+def test_quantized_checkpoint_without_quantization_config(offline_dirs, tmp_path):
+    def config(data):
+        del data["quantization_config"]
+
+    report = inspect_path(checkpoint_variant(offline_dirs["mxfp4"], tmp_path / "m", config=config))
+    assert_problem(
+        report,
+        "blocks.0.ffn.net_2",
+        r"blocks\.0\.ffn\.net\.2\.weight: U8 \[512, 512\], a packed quantized weight",
+        "config.json has no quantization_config: add the one the merge writes",
+    )
+    # every quantized diffusers Linear, once: 10 per block (Q, K, V, out, 4 cross-attention, 2 FFN)
+    assert len([p for p in report.problems if "packed quantized weight" in p]) == 20
+
+
 def test_bf16_entry_without_a_bf16_weight_is_named(offline_dirs, tiny_dir, tmp_path):
     valid = _bf16_layer(offline_dirs["mxfp4"], tiny_dir, tmp_path / "valid")
     bad = checkpoint_variant(valid, tmp_path / "bad", tensors=_drop("blocks.0.attn2.to_k.weight"))

@@ -190,7 +190,8 @@ def inspect_component(name: str, directory: Path, pipeline: str | None) -> Compo
         check_model_names(quant, [lin.name for lin in walk.linears], None, model=report.class_name)
     except ValueError as exc:
         report.problems.append(f"config.json quantization_config: {exc}")
-    report.layers = _rows(walk, archive, quant, nvfp4)
+    declared = quant if report.method else None  # a BF16 checkpoint declares no config
+    report.layers = _rows(walk, archive, declared, nvfp4)
     skipped = attribute(walk, archive)[1]
     if skipped:
         report.notes.append(
