@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.nvfp4 import reference
-from vllm_omni_mxfp4.formats import dequantize_mx, pack_fp4, quantize_mx
+from vllm_omni_mxfp4.formats import dequantize_mx, pack_fp4, quantize_mx, unpack_fp4
 from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight, dequantize_nvfp4
 from vllm_omni_mxfp4.formats.requant import REQUANT_RULES, requantize_nvfp4
 
@@ -224,3 +224,37 @@ def test_mse_ties_keep_the_floor_exponent() -> None:
     assert mse.error.exact_blocks == mse.error.total_blocks
     assert torch.equal(mse.scale, floor.scale) and torch.equal(mse.data, floor.data)
     assert mse.scale[7].tolist() == [0, 0]
+
+
+def test_quantize_nvfp4_follows_modelopts_recipe_against_a_scalar_reference() -> None:
+    """The source side of the quality comparison: ModelOpt's recipe (g = amax / (6 * 448) in
+    float32, each block scale amax_b / (6 g) rounded to the nearest E4M3, codes RNE E2M1 of
+    x / (s g)), recomputed element by element in Python floats."""
+    from vllm_omni_mxfp4.formats.nvfp4 import quantize_nvfp4
+
+    weight = (torch.randn(6, 48, generator=torch.Generator().manual_seed(11)) * 0.02).bfloat16()
+    ours = quantize_nvfp4(weight)
+    x = weight.float().tolist()
+    g = reference.f32(max(abs(v) for row in x for v in row) / reference.f32(6 * 448))
+    assert float(ours.global_scale) == g
+    e4m3 = sorted((reference.e4m3_value(b), b) for b in range(0x7F))
+    codes = unpack_fp4(ours.codes).tolist()
+    for r, row in enumerate(x):
+        for j in range(3):
+            block = row[16 * j : 16 * (j + 1)]
+            want = reference.f32(max(abs(v) for v in block) / reference.f32(6 * g))
+            value, byte = min(e4m3, key=lambda vb: (abs(vb[0] - want), vb[1] & 1))
+            assert int(ours.scales.view(torch.uint8)[r, j]) == byte, (r, j)
+            sg = reference.f32(value * g)
+            for i, v in enumerate(block):
+                expected = reference.e2m1_round(reference.f32(v / sg))
+                assert reference.e2m1_value(codes[r][16 * j + i]) == expected, (r, j, i)
+
+
+def test_fake_quantize_nvfp4_is_the_dequant_of_the_quantization() -> None:
+    from vllm_omni_mxfp4.formats.nvfp4 import fake_quantize_nvfp4, quantize_nvfp4
+
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(12))
+    expected = dequantize_nvfp4(quantize_nvfp4(x.reshape(15, 64)), order="scale_first").reshape(3, 5, 64)
+    assert torch.equal(fake_quantize_nvfp4(x), expected)
+    assert torch.equal(fake_quantize_nvfp4(torch.zeros(2, 32)), torch.zeros(2, 32))

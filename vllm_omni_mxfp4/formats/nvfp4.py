@@ -20,6 +20,10 @@ offers both:
   comfy-kitchen (``dequantize_nvfp4``), compressed-tensors (``s / G`` first) and SGLang's torch
   path compute; bit for bit their float32 dequantization.
 
+:func:`quantize_nvfp4` and :func:`fake_quantize_nvfp4` make NVFP4 the way ModelOpt does (per-tensor
+``g = amax / (6 * 448)``, E4M3 block scales, RNE E2M1 codes): what the quality comparison of native
+NVFP4 against requantized MXFP4 emulates (docs/nvfp4.md, "Quality").
+
 The two differ by at most one float32 ulp, and only where ``|q|`` is 1.5, 3 or 6 and ``s * g`` is not
 exact; they agree whenever ``g`` is a power of two. Code 8 decodes to -0.0 here (E2M1's sign bit);
 some producers decode it to +0.0, which compares equal.
@@ -35,7 +39,7 @@ import torch
 
 from vllm_omni_mxfp4 import spec
 
-from .e2m1 import e2m1_decode, unpack_fp4
+from .e2m1 import e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
 
 NVFP4_BLOCK = spec.NVFP4_BLOCK
 DEQUANT_ORDERS = ("exact", "scale_first")
@@ -167,3 +171,35 @@ def dequantize_nvfp4(w: Nvfp4Weight, *, order: str = "exact") -> torch.Tensor:
     for rows in row_slices(n, k):
         out[rows] = dequantize_rows(w, rows, order)
     return out
+
+
+E4M3_MIN = 2.0**-9
+"""The smallest positive E4M3 value (a subnormal): block scales are clamped to it so that no
+nonzero block gets a zero scale."""
+
+
+def quantize_nvfp4(x: torch.Tensor, name: str = "weight") -> Nvfp4Weight:
+    """NVFP4 of a ``(N, K)`` tensor the way ModelOpt quantizes a weight (``NVFP4QTensor``):
+    ``g = amax / (6 * 448)`` per tensor, each 16-block's scale ``amax_block / (6 * g)`` rounded to
+    E4M3 (clamped to [2^-9, 448]), codes RNE E2M1 of ``x / (s * g)``. An all-zero tensor gets g = 1.
+    """
+    n, k = x.shape
+    if k % NVFP4_BLOCK:
+        raise ValueError(f"{name}: K={k} is not a multiple of the NVFP4 group size {NVFP4_BLOCK}")
+    blocks = x.float().reshape(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    amax = blocks.abs().amax()
+    g = amax / (spec.E2M1_MAX * spec.E4M3_MAX) if bool(amax > 0) else torch.ones((), dtype=torch.float32)
+    s = (blocks.abs().amax(-1) / (spec.E2M1_MAX * g)).clamp(E4M3_MIN, spec.E4M3_MAX).to(torch.float8_e4m3fn)
+    codes = e2m1_encode(blocks / (s.float() * g).unsqueeze(-1)).reshape(n, k)
+    return Nvfp4Weight(pack_fp4(codes), s, g.reshape(()).float(), name=name)
+
+
+def fake_quantize_nvfp4(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4 quantize-dequantize of activations along the last dimension, in ``x``'s dtype.
+
+    The global scale is dynamic (this tensor's amax), where a deployed NVFP4 model uses a calibrated
+    ``input_scale``: the emulation is the format's best case for activations.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    w = quantize_nvfp4(flat, name="activation")
+    return dequantize_nvfp4(w, order="scale_first").to(x.dtype).reshape(x.shape)
