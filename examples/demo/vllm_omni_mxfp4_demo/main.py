@@ -39,7 +39,7 @@ from . import report
 from .engine_job import Job, model_boundary_ratio
 from .media import video_frames
 from .modes import MODEL_DEFAULTS, PROG, TINY_DEFAULTS, Mode, build_parser, parallel_kwargs
-from .offline import offline_checkpoint
+from .offline import SAME_CHECKPOINT, offline_checkpoint, recipe_checkpoint
 from .runner import RunFailed, run_engine_job
 
 
@@ -63,6 +63,7 @@ class DemoRun:
     modes: list[Mode]
     size: dict[str, int]  # height, width, num_frames, steps
     offline_model: Path | None = None
+    recipe_models: dict[str, Path] = field(default_factory=dict)  # mode name -> merged checkpoint
     failed_early: dict[str, str] = field(default_factory=dict)
     results: list[dict[str, Any]] = field(default_factory=list)
     frames: dict[str, np.ndarray] = field(default_factory=dict)
@@ -111,10 +112,40 @@ def _offline_step(run: DemoRun, progress: Progress) -> None:
         progress.say(f"offline: FAILED: {run.failed_early['offline']}")
 
 
+def _recipe_step(run: DemoRun, progress: Progress) -> None:
+    """Make each recipe mode's checkpoint (tiny model only); a failure fails that mode only."""
+    recipes = [m for m in run.modes if m.recipe is not None]
+    if recipes and run.args.model is not None:
+        progress.say(
+            "recipe modes skipped with --model: run `msmodelslim quant` with the recipe on the NPU, merge it "
+            "(docs/user_guide.md) and run that checkpoint"
+        )
+        run.modes = [m for m in run.modes if m.recipe is None]
+        return
+    made: dict[str, Path] = {}
+    for mode in recipes:
+        source = SAME_CHECKPOINT.get(mode.recipe, mode.recipe)
+        try:
+            if source not in made:
+                made[source] = recipe_checkpoint(run.model, source, run.out, progress.say)
+            if source != mode.recipe:
+                progress.say(f"{mode.name}: runs the {source} checkpoint (same Linears; FA3 is not merged)")
+            run.recipe_models[mode.name] = made[source]
+        except Exception as exc:  # the other modes still run; the summary reports this one
+            run.failed_early[mode.name] = f"recipe step failed: {type(exc).__name__}: {exc}"
+            progress.say(f"{mode.name}: FAILED: {run.failed_early[mode.name]}")
+
+
+def _mode_model(run: DemoRun, mode: Mode) -> Path:
+    if mode.recipe is not None:
+        return run.recipe_models.get(mode.name, run.model)
+    return run.offline_model if mode.offline else run.model
+
+
 def _job(run: DemoRun, mode: Mode, kwargs: dict[str, Any]) -> Job:
     seed = run.args.seed
     return Job(
-        model=str(run.offline_model if mode.offline else run.model),
+        model=str(_mode_model(run, mode)),
         out=str(run.out / "runs" / mode.name),
         omni_kwargs={**parallel_kwargs(run.args), **kwargs},
         # The reference engine also renders another seed: how far apart two different videos are.
@@ -205,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     demo = DemoRun(args, model, out, list(args.modes), size)
     _offline_step(demo, progress)
+    _recipe_step(demo, progress)
     _run_modes(demo, progress)
     return _finish(demo, progress)
 

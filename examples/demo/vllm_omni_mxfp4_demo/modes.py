@@ -24,12 +24,15 @@ MODEL_DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "steps": 40}
 
 @dataclass(frozen=True)
 class Mode:
-    """A way to run the model: a name, what it means, and its ``Omni(...)`` arguments."""
+    """A way to run the model: a name, what it means, and its ``Omni(...)`` arguments; ``offline``
+    runs the merged export of the demo's own recipe, ``recipe`` the merged export of one of
+    msModelSlim's shipped recipes (:data:`vllm_omni_mxfp4_demo.tiny.msmodelslim_recipes.RECIPES`)."""
 
     name: str
     description: str
     omni_kwargs: Callable[[int], dict[str, Any]]  # steps -> kwargs
     offline: bool = False
+    recipe: str | None = None
 
 
 def _last_steps(steps: int) -> list[int]:
@@ -60,6 +63,21 @@ MODES: tuple[Mode, ...] = (
         "merged msModelSlim checkpoint (mxfp4_dualscale offline), no quantization argument: auto-detected",
         lambda steps: {},
         offline=True,
+    ),
+    Mode(
+        "wan-w4a4f4",
+        "msModelSlim's shipped Wan2.2 recipe wan2_2_w4a4f4_mxfp_t2v (W8A8 MXFP8 blocks 0-4, W4A4 MXFP4 "
+        "after: the tiny model's 2 blocks are all MXFP8; QuaRot and FA3 left out, attention BF16), merged, "
+        "auto-detected",
+        lambda steps: {},
+        recipe="w4a4f4",
+    ),
+    Mode(
+        "wan-w4a4f8",
+        "msModelSlim's shipped Wan2.2 recipe wan2_2_w4a4f8_mxfp_t2v: the Linears of w4a4f4, so the same "
+        "merged checkpoint (only its FA3 differs: FP8, which vLLM-Omni runs in BF16)",
+        lambda steps: {},
+        recipe="w4a4f8",
     ),
 )
 MODE_NAMES = tuple(m.name for m in MODES)

@@ -5,6 +5,13 @@ Without an export of its own (the tiny model), the demo makes one with msModelSl
 W4A4_MXFP4_DUALSCALE quantizer and MindIE saver; some layers stay FLOAT, every quantized one gets a
 Smooth factor). The merge is the runtime package's :func:`vllm_omni_mxfp4.checkpoint.merge`, what
 ``vllm-omni-mxfp4 merge`` runs.
+
+The recipe modes run one of msModelSlim's shipped Wan2.2 recipes unedited on the model
+(:mod:`vllm_omni_mxfp4_demo.tiny.msmodelslim_recipes`, cached by content: a later demo reuses the
+export) and merge it with the W8A8 MXFP8 layers kept. w4a4f8's ``linear_quant`` steps are w4a4f4's
+(its weight files are byte-identical; ``tests/checkpoint/test_recipes.py``), and the FA3 records that
+tell them apart are left out of a merged checkpoint, so both modes run the one w4a4f4 checkpoint
+(:data:`SAME_CHECKPOINT`): msModelSlim runs once.
 """
 
 from __future__ import annotations
@@ -47,4 +54,27 @@ def offline_checkpoint(model: Path, quant_path: Path | None, out: Path, say: Cal
         for warning in t.warnings:
             say(f"merge: {t.name}: warning: {warning}")
     say(f"merge: checkpoint written to {merged} in {time.perf_counter() - start:.1f} s")
+    return merged
+
+
+#: recipe -> the recipe whose merged checkpoint it shares (same Linears; FA3 is not merged).
+SAME_CHECKPOINT = {"w4a4f8": "w4a4f4"}
+
+
+def recipe_checkpoint(model: Path, recipe: str, out: Path, say: Callable[[str], None]) -> Path:
+    """``model`` quantized with msModelSlim's shipped Wan2.2 recipe ``recipe`` and merged under ``out``."""
+    from .tiny.msmodelslim_recipes import RECIPES, cached_recipe_export
+
+    start = time.perf_counter()
+    say(f"msModelSlim: recipe {RECIPES[recipe]} (cached after its first run)")
+    quant_path, _ = cached_recipe_export(recipe, model)
+    say(f"msModelSlim: export {quant_path} ready in {time.perf_counter() - start:.1f} s")
+    merged = out / f"merged-{recipe}"
+    report = merge("auto", model, quant_path, merged, overwrite=True, mxfp8_layers="keep")
+    for t in report.transformers:
+        say(
+            f"merge {recipe}: {t.name}: {t.layers_quantized} Linears quantized, {t.layers_bf16} kept BF16; "
+            f"mxfp8_layers lists {len(t.mxfp8_layers)} runtime Linears; FA3 on {len(t.fa3_attention)} "
+            "attention layers and the online Q/K rotation left out (attention runs BF16)"
+        )
     return merged
