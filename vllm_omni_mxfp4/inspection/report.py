@@ -177,7 +177,7 @@ def _component_lines(c: ComponentReport) -> list[str]:
             size = f"{row.shape[0]}x{row.shape[1]}"
             lines.append(
                 f"  {row.name:<{width}}  {size:>11}  {row.method:<15}  {row.label:<9}  {smooth:<6}  "
-                f"{_tensor_text(row)}"
+                f"{_tensor_text(row)}{'' if row.reason == 'W4A4' else f'  <- {row.reason}'}"
             )
     lines.extend(f"  note: {note}" for note in c.notes)
     lines.extend(f"  problem: {p}" for p in c.all_problems())
