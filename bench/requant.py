@@ -1,16 +1,17 @@
 """NVFP4 -> MXFP4 requantization speed and memory, next to BF16 -> MXFP4 quantization in the same run.
 
-    python bench/requant.py [--shape 13824 5120] [--rules floor even rceil mse] [--repeats 3]
+    python bench/requant.py [--shape 13824 5120] [--rules floor even rceil mse] [--repeats 3] [--threads N]
 
 Builds one NVFP4 weight of ``--shape`` (default: Wan2.2-A14B's largest Linear, ``ffn.net.0``) from a
-random BF16 weight, then times :func:`~vllm_omni_mxfp4.formats.requant.requantize_nvfp4` per rule
+random BF16 weight (``quantize_nvfp4``, ModelOpt's recipe), then times :func:`~vllm_omni_mxfp4.formats.requant.requantize_nvfp4` per rule
 (dequant, requant and the error report) and ``quantize_mx`` of the same BF16 weight (what online
 BF16 -> MXFP4 quantization of the layer costs). It reports weights per CPU second (the process's
 CPU time, best of ``--repeats`` runs: the runners are shared, and other jobs inflate wall time)
 and the ratio to ``quantize_mx``, and the peak extra resident
 memory of each call (RSS sampled every millisecond, above the RSS before the call, inputs already
 allocated) next to the layer's MXFP4 output and to one layer in float32 (the budget: peak extra
-<= one float32 layer, 283 MB for 13824 x 5120).
+<= one float32 layer, 283 MB for 13824 x 5120). ``--threads`` sets torch's thread count: on
+oversubscribed shared runners more threads than free cores spin and inflate CPU time.
 """
 
 from __future__ import annotations
@@ -24,18 +25,9 @@ import psutil
 import torch
 
 from vllm_omni_mxfp4 import spec
-from vllm_omni_mxfp4.formats import e2m1_encode, pack_fp4, quantize_mx
-from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight
+from vllm_omni_mxfp4.formats import quantize_mx
+from vllm_omni_mxfp4.formats.nvfp4 import quantize_nvfp4
 from vllm_omni_mxfp4.formats.requant import REQUANT_RULES, requantize_nvfp4
-
-
-def nvfp4_of(w: torch.Tensor) -> Nvfp4Weight:
-    """NVFP4 of a BF16 weight the way ModelOpt makes it: g = amax / (6 * 448), per-16 E4M3 scales."""
-    x = w.float().reshape(w.shape[0], -1, spec.NVFP4_BLOCK)
-    g = x.abs().amax() / (spec.E2M1_MAX * spec.E4M3_MAX)
-    s = (x.abs().amax(-1) / (spec.E2M1_MAX * g)).clamp(2**-9, spec.E4M3_MAX).to(torch.float8_e4m3fn)
-    codes = e2m1_encode(x / (s.float().unsqueeze(-1) * g)).reshape(w.shape)
-    return Nvfp4Weight(pack_fp4(codes), s, g.reshape(()).float(), name="ffn.net.0.proj")
 
 
 class PeakRss:
@@ -88,10 +80,13 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=2, default=[13824, 5120], metavar=("N", "K"))
     parser.add_argument("--rules", nargs="+", default=list(REQUANT_RULES), choices=REQUANT_RULES)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     n, k = args.shape
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).bfloat16()
-    nv = nvfp4_of(w)
+    nv = quantize_nvfp4(w, name="ffn.net.0.proj")
     fp32_layer, mx_out = n * k * 4, n * k // 2 + n * spec.ceil_div(k, spec.MX_BLOCK)
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, layer {n}x{k} ({n * k / 1e6:.1f}M weights)"
