@@ -284,20 +284,32 @@ def _float_dtype(module: torch.nn.Module | None) -> tuple[torch.dtype, torch.dev
     return torch.bfloat16, torch.device("cpu")
 
 
+def _in_row_chunks(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, rows_of) -> torch.Tensor:
+    """A ``shape`` tensor in ``dtype`` filled by ``rows_of(rows)`` (float32 values of a row range), so
+    the float32 temporaries stay one row chunk, never a whole layer."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    for rows in row_slices(*shape):
+        out[rows] = rows_of(rows).to(dtype)
+    return out
+
+
 def _dequantized(layer: LayerSource, get: Callable[[str], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """A layer's weight in ``dtype``: NVFP4 through the exact float32 dequant (row chunks, Smooth
-    folded into the columns), FP8 times its scale; each value rounded once."""
+    """A layer's weight in ``dtype``: NVFP4 through the exact float32 dequant (Smooth folded into the
+    columns), FP8 times its scale (per tensor or per row); each value rounded once."""
     if layer.action == "dequantize":
         weight, scale = get(layer.tensors["weight"]), get(layer.tensors["weight_scale"]).float()
-        scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
-        return (weight.float() * scale).to(dtype)
+        if scale.numel() > 1:
+            return _in_row_chunks(
+                weight.shape, dtype, weight.device, lambda r: weight[r].float() * scale.reshape(-1, 1)[r]
+            )
+        return _in_row_chunks(
+            weight.shape, dtype, weight.device, lambda r: weight[r].float() * scale.reshape(())
+        )
     w = load_nvfp4_weight(layer, get)
     smooth = load_mul_scale(layer, get)
-    out = torch.empty(w.shape, dtype=dtype, device=w.codes.device)
-    for rows in row_slices(*w.shape):
-        values = dequantize_rows(w, rows)
-        out[rows] = (values * smooth if smooth is not None else values).to(dtype)
-    return out
+    if smooth is None:
+        return _in_row_chunks(w.shape, dtype, w.codes.device, lambda r: dequantize_rows(w, r))
+    return _in_row_chunks(w.shape, dtype, w.codes.device, lambda r: dequantize_rows(w, r) * smooth)
 
 
 def _record(plan: Nvfp4Plan, layer: LayerSource, action: str, reason: str, **extra: Any) -> None:
