@@ -378,7 +378,7 @@ memory). PATH is a diffusers pipeline (model_index.json) or one component direct
 For each transformer component: the quantization method auto-detection picks from its config.json,
 then one row per runtime Linear of vLLM-Omni's model class (built on the meta device from the
 component's config; each checkpoint tensor traced through the model's own loader): format,
-precision (BF16, W4A4, W4A8, MXFP8), Smooth, the checkpoint tensors with their dtypes and shapes,
+precision (BF16, W4A4, W4A8, W8A8 for MXFP8 layers), Smooth, the checkpoint tensors with their dtypes and shapes,
 and every inconsistency: missing tensors, wrong dtypes or shapes, scales out of range, a quantized
 layer listed in ignored_layers, a BF16 Linear without a BF16 weight, layer names that match no
 Linear. Reads safetensors headers and the small tensors only (scales, Smooth vectors, biases).
