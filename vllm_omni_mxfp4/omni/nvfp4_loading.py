@@ -329,7 +329,7 @@ def convert_layer(
     mx = layer.action == "requantize" and runtime_name(layer.name) in plan.mx_layers
     dtype, device = _float_dtype(module)
     if mx:
-        device = next(iter(module.parameters())).device if module is not None else device
+        device = module.weight.device  # the offline layer's packed weight: requantize where it lives
 
     def get(key: str) -> torch.Tensor:
         return staged[key].to(device)
@@ -379,8 +379,9 @@ def _converted(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The generator behind :func:`convert_stream`: stage, convert when complete, check the end."""
     staged: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    prefixes = sorted(plans, key=len, reverse=True)  # "" (the model itself) last
     for name, tensor in weights:
-        prefix = next((p for p in sorted(plans, key=len, reverse=True) if name.startswith(p)), None)
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
         plan = plans.get(prefix) if prefix is not None else None
         key = name[len(prefix) :] if plan is not None else name
         layer = plan.checkpoint.layers.get(key.rpartition(".")[0]) if plan is not None else None
