@@ -8,6 +8,8 @@ same bytes (bit for bit) and with the BF16 model of the exact dequant (cosine).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -243,13 +245,18 @@ def test_dualscale_is_refused_naming_the_component(vllm_env, tmp_path):
 
 
 def test_start_up_keeps_an_nvfp4_config_vllm_omni_cannot_build(vllm_env):
-    """vLLM-Omni 0.30 looks compressed-tensors up as 'compressed_tensors' when the engine starts."""
+    """vLLM-Omni 0.30 looks compressed-tensors up as 'compressed_tensors' and hands ModelOpt's
+    W4A16_NVFP4 to its FP8 config when the engine starts."""
     from vllm_omni.diffusion.data import TransformerConfig
 
+    from tests.nvfp4.checkpoints import MODELOPT_FIXTURES
     from tests.nvfp4.producers.compressed import ct_config
 
     config = TransformerConfig.from_dict({"num_layers": 1, "quantization_config": ct_config(["proj_out"])})
     assert config.quant_config is None and config.quant_method == "compressed-tensors"
     assert config.get("num_layers") == 1
+    w4a16 = json.loads((MODELOPT_FIXTURES / "w4a16" / "config.json").read_text())
+    config = TransformerConfig.from_dict(w4a16)
+    assert config.quant_config is None and config.quant_method == "modelopt"
     with pytest.raises(ValueError, match="Unknown quantization method: 'no_such_method'"):
         TransformerConfig.from_dict({"quantization_config": {"quant_method": "no_such_method"}})

@@ -223,14 +223,15 @@ def _planning_create(original: Callable) -> Callable:
 
 
 def _tolerant_from_dict(original: Callable) -> Callable:
-    """``TransformerConfig.from_dict`` that keeps an NVFP4 producer config it cannot build (vLLM-Omni
-    0.30 looks compressed-tensors up as ``compressed_tensors`` and fails at start-up) as a method
-    name without a config: the expert's build reads it (:func:`plan_component`) or fails there."""
+    """``TransformerConfig.from_dict`` that keeps an NVFP4 producer config it cannot build as a method
+    name without a config (vLLM-Omni 0.30 fails at start-up on compressed-tensors, which it looks up as
+    ``compressed_tensors``, and on ModelOpt ``W4A16_NVFP4``, which it hands to its FP8 config): the
+    expert's build reads it (:func:`plan_component`) or fails there."""
 
     def run(cls: type, data: dict) -> Any:
         try:
             return original.__func__(cls, data)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             qc = data.get("quantization_config") if isinstance(data, dict) else None
             if not isinstance(qc, dict) or parse_quant_config(qc, "config.json quantization_config") is None:
                 raise
