@@ -359,6 +359,39 @@ def test_malformed_json_is_named(offline_dirs, tmp_path):
     assert inspect_path(bad).problems == [f"{bad / 'model_index.json'}: expected a JSON object, found list"]
 
 
+def test_quantized_plain_linear_is_named(offline_dirs, tmp_path):
+    """proj_out is a plain nn.Linear in vLLM-Omni's Wan: a packed weight there cannot load."""
+    from vllm_omni_mxfp4.formats import quantize_mx
+
+    def quantize_proj_out(data):
+        data["proj_out.weight"], data["proj_out.weight_scale"] = quantize_mx(data["proj_out.weight"])
+
+    bad = checkpoint_variant(offline_dirs["mxfp4"], tmp_path / "m", tensors=quantize_proj_out)
+    report = inspect_path(bad)
+    assert_problem(
+        report,
+        "proj_out",
+        r"proj_out\.weight: U8 \[64, 256\], a packed quantized weight, where a BF16 weight of shape \[64, 512\]",
+        "plain nn.Linear, which runs in BF16 only",
+    )
+    assert_problem(
+        report, "proj_out", r"proj_out\.weight_scale: a weight_scale tensor for a Linear that loads a BF16"
+    )
+
+
+def test_tensor_of_another_format_is_named(offline_dirs, tmp_path):
+    """A DualScale tensor in a single-scale mxfp4 checkpoint (a DualScale checkpoint relabelled)."""
+    name = "blocks.1.attn2.to_q.weight_dual_scale"
+    bad = checkpoint_variant(
+        offline_dirs["mxfp4"], tmp_path / "m", tensors=lambda data: data.update({name: torch.ones(512, 1, 1)})
+    )
+    assert_problem(
+        inspect_path(bad),
+        "blocks.1.attn2.to_q",
+        rf"{re.escape(name)}: weight_dual_scale is not a tensor of a mxfp4 Linear \(it has weight, weight_scale, mul_scale, bias\)",
+    )
+
+
 def test_fused_pieces_with_different_smooth_vectors(offline_dirs, tmp_path):
     bad = checkpoint_variant(
         offline_dirs["mxfp4"], tmp_path / "m", tensors=_set("blocks.1.attn1.to_v.mul_scale", 3, 2.0)
