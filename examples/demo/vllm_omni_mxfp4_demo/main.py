@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from . import report
+from . import nvfp4_quality, report
 from .engine_job import Job, model_boundary_ratio
 from .media import video_frames
 from .modes import MODEL_DEFAULTS, PROG, TINY_DEFAULTS, Mode, build_parser, parallel_kwargs
@@ -215,6 +215,9 @@ def _finish(run: DemoRun, progress: Progress) -> int:
     report.score(run.results, run.frames)
     report.write_media(summary, run.frames)
     summary.other_seed = report.other_seed(run.frames.get("bf16"), run.other_seed_frames, run.args.seed + 1)
+    if run.args.model is None:  # the tiny model: NVFP4 sources next to MXFP4 (docs/nvfp4.md, "Quality")
+        progress.say("NVFP4 quality: the tiny transformer's output with each format emulated")
+        summary.nvfp4_quality = nvfp4_quality.measure()
     report.publish(summary)
     failed = summary.failed
     progress.say(

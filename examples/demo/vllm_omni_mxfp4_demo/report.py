@@ -37,6 +37,7 @@ class Summary:
     other_seed: dict[str, Any] | None = None
     videos: dict[str, Path] = field(default_factory=dict)
     strip: Path | None = None
+    nvfp4_quality: list[dict[str, Any]] | None = None
 
     @property
     def platform(self) -> str:
@@ -158,6 +159,7 @@ def _write_files(summary: Summary, rows: list[list[str]], notes: list[str]) -> N
         "settings": summary.settings,
         "modes": summary.results,
         "bf16_other_seed": summary.other_seed,
+        "nvfp4_quality": summary.nvfp4_quality,
     }
     (summary.out / "results.json").write_text(json.dumps(numbers, indent=2, default=str))
     (summary.out / "results.md").write_text(
@@ -182,6 +184,13 @@ def _print_console(summary: Summary, rows: list[list[str]], notes: list[str]) ->
     print()
     for line in notes:
         print(line)
+    if summary.nvfp4_quality:
+        from .nvfp4_quality import format_table as nvfp4_table
+
+        print(
+            "\nNVFP4 sources (tiny transformer's output vs unquantized, block Linears emulated in float32):"
+        )
+        print(nvfp4_table(summary.nvfp4_quality))
     print(f"\nOutput directory: {summary.out}")
     if summary.strip is not None:
         print(f"  frames strip: {summary.strip}")
