@@ -122,15 +122,17 @@ def _nvfp4_row(row: LayerRow, nvfp4: Nvfp4Checkpoint) -> None:
     if len(actions) > 1:
         listed = ", ".join(f"{s.name} {s.action}" for s in sources)
         row.problems.append(f"fused pieces differ ({listed}); the fused Linear runs one precision")
-    if actions == {"requantize"} and row.kind == "vllm":
+    quantizable = row.method != "bf16"  # the model gives this Linear our method
+    if actions == {"requantize"} and quantizable:
         algo = sources[0].algo
         row.method, row.precision = "mxfp4", ("w4a8" if algo == "W4A16_NVFP4" else "w4a4")
         row.reason = f"{algo} ({sources[0].reason}), requantized to MXFP4 at load"
     elif sources:
         row.method, row.precision = "bf16", "bf16"
-        row.reason = sources[0].reason
-        if row.kind == "plain":
-            row.reason = f"plain nn.Linear (the model runs it in BF16): {sources[0].algo} served in BF16"
+        stored = actions == {"keep"}
+        row.reason = (
+            sources[0].reason if quantizable or stored else f"{row.reason}: {sources[0].algo} served in BF16"
+        )
 
 
 def _rows(walk: ModelWalk, archive: dict[str, TensorRef], quant: QuantConfig | None, nvfp4) -> list[LayerRow]:
