@@ -29,6 +29,9 @@ from vllm_omni_mxfp4.inspection import format_table, inspect_path
 __all__ = ["mxfp8_dir", "offline_dirs", "tiny_dir"]  # module fixtures
 
 pytestmark = pytest.mark.omni
+pytest.importorskip(
+    "vllm_omni", reason="vllm / vllm-omni not installed: inspect builds vLLM-Omni's model classes"
+)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "nvfp4" / "fixtures" / "modelopt"
 QKV = "blocks.0.attn1.to_qkv"
