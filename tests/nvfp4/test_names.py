@@ -154,9 +154,17 @@ def flux2_comfy_file(directory: Path) -> Path:
     return directory
 
 
-def test_a_bfl_comfy_file_converts_to_diffusers_names(tmp_path: Path) -> None:
+def test_a_bfl_comfy_file_converts_to_diffusers_names(tmp_path: Path, monkeypatch) -> None:
+    from vllm_omni_mxfp4.convert import tensors as convert_tensors
+
     source = flux2_comfy_file(tmp_path / "in")
+    calls = []
+    real = convert_tensors.requantize_nvfp4
+    monkeypatch.setattr(
+        convert_tensors, "requantize_nvfp4", lambda w, rule: calls.append(w.name) or real(w, rule)
+    )
     report = convert(source, tmp_path / "out", progress=False)
+    assert sorted(calls) == sorted(set(calls)) and len(calls) == 6  # each layer once, its Q/K/V parts from it
     out = load_file(tmp_path / "out" / "diffusion_pytorch_model.safetensors")
     stored = load_file(source / "flux2-nvfp4.safetensors")
     qkv = detect_nvfp4(source).layers["double_blocks.0.img_attn.qkv"]

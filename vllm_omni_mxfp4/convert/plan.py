@@ -237,7 +237,7 @@ def plan_component(directory: Path, name: str, rule: str, max_shard_size: int | 
     )  # fmt: skip
     report.warnings = _warnings(decisions, target)
     config = {k: v for k, v in config.items() if k != "quantization_config"} | {"quantization_config": quant}
-    shards = split_into_shards(builder.outputs, max_shard_size, layer_order)
+    shards = split_into_shards(builder.outputs, max_shard_size, builder.write_order)
     extras = sorted(
         p
         for p in directory.iterdir()
@@ -257,6 +257,7 @@ class _Builder:
         self.consumed: set[str] = set()
         self._requant: dict[str, RequantLayer] = {}
         self._names: set[str] = set()
+        self.source_of: dict[str, str] = {}
 
     def _emit(self, name: str, dtype: str, shape: tuple[int, ...], source) -> None:
         if name in self._names:
@@ -325,6 +326,7 @@ class _Builder:
             self._requant[layer.name] = RequantLayer(layer.name, load, self.rule, self.cache, self.errors)
         requant = self._requant[layer.name]
         groups = spec.ceil_div(k, spec.MX_BLOCK)
+        self.source_of[f"{part.name}.weight"] = self.source_of[f"{part.name}.weight_scale"] = layer.name
         self._emit(
             f"{part.name}.weight", "U8", (rows, k // 2), RequantTensor(requant, "data", part, (rows, k // 2))
         )
@@ -337,6 +339,11 @@ class _Builder:
                 )
             source = Float32Of(lambda key=layer.tensors["mul_scale"]: self.reader.tensor(key), k * 4)
             self._emit(f"{part.name}.mul_scale", "F32", (k,), source)
+
+    def write_order(self, name: str) -> tuple:
+        """Sort key of output tensors: by their source layer first, so that the parts of one
+        requantized layer (BFL Q/K/V) are written one after the other from one computation."""
+        return layer_order(self.source_of.get(name, name)), name
 
     def param(self, key: str) -> str:
         """The output parameter name of an input tensor key (BFL norms' ``scale`` is ``weight``)."""
