@@ -15,10 +15,15 @@ The transformer's block Linears have K and N in {512, 1024}: multiples of the MX
 the DualScale coarse block (512), so both ``mxfp4`` and ``mxfp4_dualscale`` apply to every one.
 Transformers are stored in BF16 like the released Wan2.2 checkpoints; text encoder and VAE in FP32.
 
+:func:`build_tiny_wan_variant` builds the other Wan2.2 layouts from the same parts
+(:data:`VARIANTS`): ``i2v`` (I2V-A14B, ``WanImageToVideoPipeline``) and ``ti2v`` (TI2V-5B, the
+48-channel VAE and ``expand_timesteps``).
+
 Cache: ``tiny_wan/`` under :func:`vllm_omni_mxfp4.envs.cache_dir` (``$VLLM_OMNI_MXFP4_CACHE``, default
 ``~/.cache/vllm-omni-mxfp4``), one directory per content key (the builder's configs, seed, expert count, and the torch / diffusers /
 transformers / tokenizers versions). A build goes to a staging directory that is renamed into place
-in one step, so concurrent or interrupted builds never leave a half-written model behind.
+in one step (:mod:`.cache`), so concurrent or interrupted builds never leave a half-written model
+behind.
 """
 
 from __future__ import annotations
