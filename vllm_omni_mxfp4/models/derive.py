@@ -16,8 +16,10 @@ The data (what :func:`derive_names` returns, what
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,19 +54,16 @@ def _derive(key: str) -> str:
     )
 
     pipeline, class_name, config, tensors = json.loads(key)
-    cls = find_transformer_class(class_name, pipeline)
-    with world_of_one() as od_config:
-        # Online mxfp4 as the probe: the Linears that receive it are those a checkpoint can quantize.
-        model = build_on_meta(cls, config, Mxfp4Config(), od_config)
-        linears = {
-            linear.name: {
-                "kind": linear.kind,
-                "quantizable": linear.method != "bf16",
-                "prefix": getattr(model.get_submodule(linear.name), "prefix", None) or linear.name,
-            }
-            for linear in runtime_linears(model)
-        }
-        placed = trace_loading(model, {name: (dtype, tuple(shape)) for name, dtype, shape in tensors})
+    # vLLM configures its log handlers on stdout when first imported: here, on stderr, so that a
+    # command's stdout (the merge's --json report) stays its own.
+    with contextlib.redirect_stdout(sys.stderr):
+        cls = find_transformer_class(class_name, pipeline)
+        with world_of_one() as od_config:
+            # Online mxfp4 as the probe: a Linear the class hands it to (whatever BF16 default our
+            # config then routes it to) is one a checkpoint can quantize.
+            model = build_on_meta(cls, config, Mxfp4Config(), od_config)
+            linears = {linear.name: _linear(model, linear) for linear in runtime_linears(model)}
+            placed = trace_loading(model, {name: (dtype, tuple(shape)) for name, dtype, shape in tensors})
     data = {
         "model_class": cls.__name__,
         "module": cls.__module__,
@@ -75,3 +74,16 @@ def _derive(key: str) -> str:
         "linears": linears,
     }
     return json.dumps(data)
+
+
+def _linear(model: Any, linear: Any) -> dict[str, Any]:
+    """One runtime Linear's entry: its kind, whether the class gave it our quantization config (our
+    methods, and the BF16 method our config routes to, carry a ``route``; vLLM's own unquantized
+    method, for a Linear built with ``quant_config=None``, does not) and the prefix that config sees."""
+    module = model.get_submodule(linear.name)
+    method = getattr(module, "quant_method", None)
+    return {
+        "kind": linear.kind,
+        "quantizable": linear.kind == "vllm" and getattr(method, "route", None) is not None,
+        "prefix": getattr(module, "prefix", None) or linear.name,
+    }
