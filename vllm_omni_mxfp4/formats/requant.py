@@ -28,7 +28,6 @@ reference and against ``quantize_mx`` of the float32 dequant.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -36,7 +35,7 @@ import torch
 
 from vllm_omni_mxfp4 import spec
 
-from .e2m1 import e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
+from .e2m1 import e2m1_decode, e2m1_encode, pack_fp4
 from .nvfp4 import Nvfp4Weight, dequantize_nvfp4, row_slices
 from .scale_rules import e8m0_to_float, shared_exponent_codes
 
@@ -93,17 +92,14 @@ class Requantized:
 # ------------------------------------------------------------------------------------ tables
 
 
-@functools.cache
-def _byte_codes() -> torch.Tensor:
-    """int64 ``(256, 2)``: the two 4-bit codes of every byte, even (low nibble) first."""
-    return unpack_fp4(torch.arange(256, dtype=torch.uint8).reshape(256, 1)).long()
-
-
 @dataclass(frozen=True)
 class _Tables:
     """Lookup tables for one global scale (see the module docstring).
 
-    ``magnitude`` (256 scale bytes, 8): the float32 |value| of each magnitude code; ``natural``
+    ``half_codes`` (256 scale bytes * 8): the E8M0 code of the rule (``floor`` for ``mse``) of a
+    16-half whose largest magnitude code is that one; every rule's code grows with the block
+    maximum, so a block's code is the larger of its halves' (no float maximum, no rule per block).
+    ``natural``
     (256,): the half's natural exponent; ``out`` / ``sse`` / ``max_err`` (256, slots, 256 bytes):
     output byte, float64 squared error and float32 largest |error| of a byte; ``ref2`` (256, 256):
     float64 sum of squares of a byte's two values; ``out_of_range`` (256,): scale bytes whose
@@ -111,7 +107,7 @@ class _Tables:
     0..254 and the tables do not hold.
     """
 
-    magnitude: torch.Tensor
+    half_codes: torch.Tensor
     natural: torch.Tensor
     out: torch.Tensor
     sse: torch.Tensor
@@ -137,7 +133,7 @@ def _bytes(low: torch.Tensor, high: torch.Tensor, op) -> torch.Tensor:
     return op(low.unsqueeze(-2), high.unsqueeze(-1)).flatten(-2)
 
 
-def _tables(g: float, divides: bool, device: torch.device) -> _Tables:
+def _tables(g: float, divides: bool, device: torch.device, rule: str) -> _Tables:
     """The tables of global scale ``g`` (a multiplier, or a divisor with ``divides``), built with the
     exact dequant of every (scale byte, code) pair. About 13 MB, built per call in a few
     milliseconds and not cached: every layer has its own global scale."""
@@ -151,33 +147,29 @@ def _tables(g: float, divides: bool, device: torch.device) -> _Tables:
     out = _bytes(q, q << 4, torch.bitwise_or)
     sse, max_err, ref2 = _bytes(e2, e2, torch.add), _bytes(a, a, torch.maximum), _bytes(v2, v2, torch.add)
     out_of_range = ((natural == 0) & (values[:, 7] != 0)) | (natural > 254 - SHIFTS[-1])
-    tables = (values[:, :8].abs(), natural, out, sse, max_err, ref2, out_of_range)
+    half_codes = shared_exponent_codes(values[:, :8].abs().flatten(), "floor" if rule == "mse" else rule)
+    tables = (half_codes, natural, out, sse, max_err, ref2, out_of_range)
     return _Tables(*(t.to(device) for t in tables))
 
 
 # ---------------------------------------------------------------------------- one row chunk
 
 
-@functools.cache
-def _byte_max_magnitude(device: torch.device) -> torch.Tensor:
-    """uint8 (256,): the larger magnitude code (0..7) of a byte's two elements."""
-    return (_byte_codes() & 7).amax(dim=1).to(torch.uint8).to(device)
-
-
 def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``table.flatten()[index]`` for an int64 index tensor of any shape."""
+    """``table.flatten()[index]`` for an int32 index tensor of any shape (half the index traffic of
+    int64; every table has fewer than 2^31 entries)."""
     return table.reshape(-1).index_select(0, index.reshape(-1)).reshape(index.shape)
 
 
-def _block_amax(t: _Tables, data: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """float32 ``(R, G)`` block maxima from bytes ``(R, 2G, 8)`` and scale bytes ``(R, 2G)``."""
-    mag = _gather(_byte_max_magnitude(data.device), data).amax(dim=-1)  # (R, 2G)
-    half_amax = _gather(t.magnitude, s * 8 + mag.long())
-    return half_amax.reshape(s.shape[0], -1, 2).amax(dim=-1)
+def _block_codes(t: _Tables, data: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """int32 ``(R, G)`` codes of the tables' rule from bytes ``(R, 2G, 8)`` (uint8) and scale bytes
+    ``(R, 2G)``: the larger of each block's two halves' codes (see :class:`_Tables`)."""
+    mag = torch.maximum(data & 7, (data >> 4) & 7).amax(dim=-1)  # each half's largest magnitude code
+    return _gather(t.half_codes, s * 8 + mag.int()).reshape(s.shape[0], -1, 2).amax(dim=-1)
 
 
 def _slot_index(t: _Tables, s: torch.Tensor, data: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """int64 flat table index ``(R, 2G, 8)`` of every byte for block codes ``code`` ``(R, G)``."""
+    """int32 flat table index ``(R, 2G, 8)`` of every byte for block codes ``code`` ``(R, G)``."""
     d = code.repeat_interleave(2, dim=1) - _gather(t.natural, s)
     slot = (d - SHIFTS[0]).clamp_(0, TOP)
     return ((s * SLOTS + slot) * 256).unsqueeze(-1) + data
@@ -188,19 +180,18 @@ def _block_sse(t: _Tables, index: torch.Tensor) -> torch.Tensor:
     return _gather(t.sse, index).reshape(index.shape[0], -1, MX_BLOCK // 2).sum(dim=-1)
 
 
-def _mse_codes(t: _Tables, s: torch.Tensor, data: torch.Tensor, amax: torch.Tensor):
+def _mse_codes(t: _Tables, s: torch.Tensor, data: torch.Tensor, e0: torch.Tensor):
     """The ``mse`` rule: int32 codes ``(R, G)``, their byte indices and block errors (float64).
 
     The candidates e0 - 1, e0, e0 + 1 are consecutive table slots, so one index serves all three;
     e0 - 1 does not exist for e0 = 0.
     """
-    e0 = shared_exponent_codes(amax, "floor")
     low = _slot_index(t, s, data, e0 - 1)
     sse = torch.stack([_block_sse(t, low + 256 * j if j else low) for j in range(3)], dim=-1)
     sse[..., 0].masked_fill_(e0 == 0, math.inf)
     best = sse.amin(dim=-1)
     pick = torch.where(sse[..., 1] == best, 1, torch.where(sse[..., 2] == best, 2, 0))
-    index = low + 256 * pick.repeat_interleave(2, dim=1).unsqueeze(-1)
+    index = low + 256 * pick.int().repeat_interleave(2, dim=1).unsqueeze(-1)
     return e0 - 1 + pick.int(), index, sse.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
 
 
@@ -231,16 +222,16 @@ def _requant_chunk(t: _Tables, codes: torch.Tensor, scales: torch.Tensor, rule: 
     r, half_k = codes.shape
     groups = spec.ceil_div(half_k * 2, MX_BLOCK)
     pad = groups * MX_BLOCK // 2 - half_k
-    data, s = codes.long(), scales.long()
+    s = scales.int()
     if pad:  # a partial last MX block: one more half of zero codes with scale byte 0
-        data, s = torch.nn.functional.pad(data, (0, pad)), torch.nn.functional.pad(s, (0, 1))
-    data = data.reshape(r, 2 * groups, HALF // 2)
-    amax = _block_amax(t, data, s)
+        codes, s = torch.nn.functional.pad(codes, (0, pad)), torch.nn.functional.pad(s, (0, 1))
+    codes = codes.reshape(r, 2 * groups, HALF // 2)
+    code = _block_codes(t, codes, s)
+    data = codes.int()
     if rule == "mse":
-        code, index, sse = _mse_codes(t, s, data, amax)
+        code, index, sse = _mse_codes(t, s, data, code)
     else:
-        code, sse = shared_exponent_codes(amax, rule), None
-        index = _slot_index(t, s, data, code)
+        index, sse = _slot_index(t, s, data, code), None
     if rule == "floor" and bool((code == 0).any()):  # quantize_mx's FLOOR: code 0 zeroes the block
         zeroed = ((s * SLOTS + ZEROED) * 256).unsqueeze(-1) + data
         index = torch.where((code == 0).repeat_interleave(2, dim=1).unsqueeze(-1), zeroed, index)
@@ -281,7 +272,7 @@ def requantize_nvfp4(w: Nvfp4Weight, rule: str = "mse") -> Requantized:
     sums = _ErrorSums()
     scale_bytes = w.scales.view(torch.uint8)
     for g, rows in _row_groups(w):
-        t = _tables(g, w.global_divides, w.codes.device)
+        t = _tables(g, w.global_divides, w.codes.device, rule)
         codes = w.codes if rows is None else w.codes.index_select(0, rows)
         sbytes = scale_bytes if rows is None else scale_bytes.index_select(0, rows)
         if bool(_gather(t.out_of_range, sbytes.long()).any()):
