@@ -19,8 +19,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 
@@ -33,13 +36,41 @@ def derive_names(
     """Build vLLM-Omni's ``class_name`` (found through ``pipeline``'s model folder) from a diffusers
     ``config`` on the meta device and trace where its ``load_weights`` puts each of ``tensors``
     (name -> (safetensors dtype, shape)). Cached per arguments for the life of the process: the
-    merge asks once per transformer, and two experts of one model share one build."""
+    merge asks once per transformer, and two experts of one model share one build.
+
+    In a process that has not imported vLLM yet (the merge CLI), the build runs in a child process
+    (``python -m vllm_omni_mxfp4.models``): the caller's memory, stdout and stderr stay its own (vLLM
+    logs to both when imported), and its error, if any, is raised here with the child's last output.
+    """
     key = json.dumps(
         [pipeline, class_name, dict(config), sorted([n, d, list(s)] for n, (d, s) in tensors.items())],
         sort_keys=True,
         default=str,
     )
-    return json.loads(_derive(key))
+    return json.loads(_derive(key) if "vllm" in sys.modules else _derive_in_child(key))
+
+
+@functools.lru_cache(maxsize=8)
+def _derive_in_child(key: str) -> str:
+    with tempfile.TemporaryDirectory(prefix="vllm-omni-mxfp4-names-") as tmp:
+        request, result = Path(tmp) / "request.json", Path(tmp) / "names.json"
+        request.write_text(key)
+        argv = [sys.executable, "-m", __package__, str(request), str(result)]
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not result.is_file():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [
+                f"exit status {done.returncode}"
+            ]
+            raise ValueError(f"building the class in {' '.join(argv[:3])} failed: {tail[0]}")
+        return result.read_text()
+
+
+def main(argv: list[str]) -> int:
+    """``python -m vllm_omni_mxfp4.models REQUEST RESULT``: derive the names of :func:`derive_names`'s
+    JSON request key into ``RESULT`` (the child process of :func:`_derive_in_child`)."""
+    request, result = (Path(p) for p in argv)
+    result.write_text(_derive(request.read_text()))
+    return 0
 
 
 @functools.lru_cache(maxsize=8)
