@@ -189,11 +189,11 @@ def _rotate_q_weight(tensors, entries):
     [
         (
             _add("blocks.2.self_attn.v_rot", "blocks.2.self_attn.q_rot"),
-            r"rotation record 'blocks\.2\.self_attn\.v_rot' is not a q_rot/k_rot of a Wan attention",
+            r"rotation record 'blocks\.2\.self_attn\.v_rot' is not a q_rot/k_rot of an attention",
         ),
         (
             _add("blocks.2.ffn.0.rot", "blocks.2.self_attn.q_rot"),
-            r"rotation record 'blocks\.2\.ffn\.0\.rot' is not a q_rot/k_rot of a Wan attention",
+            r"rotation record 'blocks\.2\.ffn\.0\.rot' is not a q_rot/k_rot of an attention",
         ),
         (
             replace("blocks.3.self_attn.k_rot", lambda r: r.flip(0)),
@@ -246,7 +246,7 @@ def test_qkv_in_two_formats_is_refused(recipe_copy, tmp_path):
             entries[f"{Q5}.{leaf}"] = "W8A8_MXFP8"
 
     message = (
-        r"fused self-attention blocks\.5\.attn1 \(export blocks\.5\.self_attn\): Q/K/V are stored in "
+        r"fused blocks\.5\.attn1\.to_qkv \(export blocks\.5\.self_attn\): to_q/to_k/to_v are stored in "
         r"different formats \(to_q W8A8_MXFP8, to_k W4A4_MXFP4, to_v W4A4_MXFP4\)"
     )
     _refused(recipe_copy, tmp_path, message, mutate)
