@@ -72,9 +72,12 @@ def test_omni_serves_the_nvfp4_pipeline_requantized(bf16_dir, nvfp4_dir, tmp_pat
     for report in reports.values():
         assert {(e["method"], e["mode"]) for e in report["linears"]} == {("mxfp4", "offline")}
         requantized = [r for r in report["nvfp4"] if r["action"] == "requantize"]
-        assert len(requantized) == BLOCK_LINEARS == len(report["nvfp4"])
-        assert {r["rule"] for r in requantized} == {"mse"}
+        assert len(requantized) == BLOCK_LINEARS
+        assert {(r["rule"], r["precision"]) for r in requantized} == {("mse", "w4a4")}
         assert all(0 < r["rel_rms"] < 0.2 for r in requantized)
+        embedders = [r for r in report["nvfp4"] if r["layer"].startswith("condition_embedder.")]
+        assert embedders and {r["action"] for r in embedders} == {"keep"}
+        assert all("excluded by ignore pattern 're:condition_embedder.*'" in r["reason"] for r in embedders)
 
 
 def test_vllm_serve_starts_on_the_nvfp4_pipeline(nvfp4_dir, tmp_path):
@@ -96,7 +99,7 @@ def test_vllm_serve_starts_on_the_nvfp4_pipeline(nvfp4_dir, tmp_path):
     assert not leftover, f"server processes {leftover} outlived SIGTERM by 30s"
     text = log.read_text()
     assert "transformer: NVFP4 checkpoint by compressed-tensors" in text, log_tail(log)
-    assert "loaded: 20 requantize (rule mse)" in text, log_tail(log)
+    assert "20 requantize (rule mse)" in text, log_tail(log)
 
 
 def test_a_refused_layer_stops_the_engine_naming_it(nvfp4_dir, tmp_path):

@@ -109,13 +109,20 @@ def test_plain_linears_get_the_exact_dequant_in_bf16(online, values):
 
 def test_the_load_report_names_every_layer(online, values):
     records = {r["layer"]: r for r in online._mx_nvfp4.records}
-    assert set(records) == set(values)
+    kept = {"patch_embedding", "proj_out", "blocks.0.norm2"} | {
+        f"blocks.0.attn{a}.norm_{q}" for a in (1, 2) for q in "qk"
+    }
+    assert set(records) == set(values) | kept
     for layer, record in records.items():
-        if layer.startswith("blocks."):
+        if layer in kept:
+            assert record["action"] == "keep", record
+        elif layer.startswith("blocks."):
             assert record["action"] == "requantize" and record["rule"] == "mse", record
+            assert record["precision"] == "w4a4" and record["runtime"] in linears(online), record
             assert 0 < record["rel_rms"] < 0.2 and record["total_blocks"] == values[layer].size // 32
         else:
             assert record["action"] == "dequantize" and "runs in BF16" in record["reason"], record
+    assert records["proj_out"]["reason"].startswith("excluded by ignore pattern 'proj_out'")
 
 
 def _derived_checkpoint(tmp, stored, values, quantized: bool):
@@ -194,6 +201,8 @@ def test_w4a16_layers_keep_8_bit_activations(vllm_env, tmp_path):
     routes = [layer.quant_method.route for layer in linears(model).values()]
     assert {r.precision for r in routes} == {Precision.W4A8}
     assert all("W4A16_NVFP4" in r.reason for r in routes)
+    precisions = {r["precision"] for r in model._mx_nvfp4.records if r["action"] == "requantize"}
+    assert precisions == {"w4a8"}
 
 
 def test_ignored_layers_get_the_exact_dequant(vllm_env, stored, values, tmp_path):

@@ -99,7 +99,9 @@ def test_layers_are_converted_and_unknown_tensors_pass():
     assert torch.equal(out["transformer.proj_out.weight"], stored["proj_out.weight"])  # kept as stored
     assert not [k for k in out if k.endswith(("weight_scale_2", "input_scale"))]
     assert out["transformer.blocks.0.attn1.to_q.weight"].dtype == torch.bfloat16  # no mxfp4 Linear here
-    assert len(plan.records) == 15
+    assert len(plan.records) == 22  # 10 + 5 NVFP4 layers dequantized (no mxfp4 Linear here), 7 kept
+    kept = next(r for r in plan.records if r["layer"] == "proj_out")
+    assert kept["action"] == "keep" and kept["reason"].startswith("excluded by ignore pattern 'proj_out'")
 
 
 def test_a_stream_that_ends_before_a_layer_is_complete_is_refused():
@@ -122,8 +124,9 @@ def test_the_report_summary_counts_the_nvfp4_records():
         {"layer": "a", "action": "requantize", "rule": "mse"},
         {"layer": "b", "action": "requantize", "rule": "mse"},
         {"layer": "c", "action": "dequantize"},
+        {"layer": "d", "action": "keep"},
     ]
     report = TransformerReport("transformer", 0, 0, 0, [], nvfp4=records)
     assert report.summary().endswith(
-        "; NVFP4 checkpoint: 2 layers requantized (rule mse), 1 dequantized to BF16"
+        "; NVFP4 checkpoint: 2 layers requantized (rule mse), 1 dequantized to BF16, 1 kept as stored"
     )

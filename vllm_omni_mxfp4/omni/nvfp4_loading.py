@@ -20,8 +20,8 @@ producer form, failing closed with the layer named), three things change (docs/n
    result, so swizzled scales are unswizzled before any sharding. Layers that run in BF16 get the
    exact float32 dequant rounded once to BF16; ``input_scale`` (static activation scales) is dropped,
    since activations are quantized dynamically.
-3. **Report**: one record per checkpoint layer (requantized with its rule and error, dequantized,
-   kept) on the expert (``_mx_nvfp4``), logged and read by :mod:`.report`.
+3. **Report**: one record per checkpoint layer (requantized with its rule, error and precision,
+   dequantized, kept as stored and why) on the expert (``_mx_nvfp4``), logged and read by :mod:`.report`.
 
 Fused Q/K/V parts are requantized one by one: MXFP4 blocks run along K within a row, so joining the
 parts' rows first would give the same bytes.
@@ -348,10 +348,11 @@ def convert_layer(
     smooth = load_mul_scale(layer, get)
     if smooth is not None:
         out.append((f"{module_name}.mul_scale", smooth))
-    e = result.error
+    e, route = result.error, module.quant_method.route
     _record(
-        plan, layer, "requantize", f"{layer.algo} -> MXFP4", rule=e.rule, rel_rms=e.rel_rms,
-        max_abs=e.max_abs, exact_blocks=e.exact_blocks, total_blocks=e.total_blocks,
+        plan, layer, "requantize", f"{layer.algo} -> MXFP4, {route.precision.value.upper()} ({route.reason})",
+        rule=e.rule, rel_rms=e.rel_rms, max_abs=e.max_abs, exact_blocks=e.exact_blocks,
+        total_blocks=e.total_blocks, precision=route.precision.value,
     )  # fmt: skip
     return out
 
@@ -387,6 +388,8 @@ def _converted(
         key = name[len(prefix) :] if plan is not None else name
         layer = plan.checkpoint.layers.get(key.rpartition(".")[0]) if plan is not None else None
         if layer is None or layer.action == "keep":
+            if layer is not None and key == layer.tensors.get("weight"):
+                _record(plan, layer, "keep", f"{layer.reason}; loaded as stored")
             yield name, tensor
             continue
         module = key.rpartition(".")[0]

@@ -201,7 +201,7 @@ class TransformerReport:
             text += (
                 f"; NVFP4 checkpoint: {actions['requantize']} layers requantized (rule {', '.join(rules)})"
             )
-            text += f", {actions['dequantize']} dequantized to BF16"
+            text += f", {actions['dequantize']} dequantized to BF16, {actions['keep']} kept as stored"
         return text
 
 
