@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -222,3 +224,26 @@ def _requantized(state, leaf: str) -> torch.Tensor:
     if leaf == "weight_scale":
         return torch.full((n, k // 32), 127, dtype=torch.uint8)
     return torch.ones((n, -(-k // 512), 1), dtype=torch.float32)
+
+
+def test_cli_json_stdout_is_only_the_report(recipe, tmp_path):
+    """In a fresh process the merge imports vLLM-Omni to derive the names; vLLM's logs go to stderr."""
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm_omni_mxfp4.cli",
+        "merge",
+        "--model-type",
+        "auto",
+        "--dry-run",
+        "--json",
+    ]
+    argv += ["--original-model", str(recipe["original"]), "--quant-path", str(recipe["export"])]
+    argv += ["--output-path", str(tmp_path / "out")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert (report["model_type"], report["transformers"][0]["layers_quantized"]) == (
+        "Qwen-Image-Edit-2509",
+        22,
+    )
