@@ -1,0 +1,130 @@
+"""msModelSlim's quantized Linears with only their activation quantization replaced by the hardware rules.
+
+msModelSlim's in-memory fake-quant Linears (``W4A4MXDynamicPerBlockFakeQuantLinear``,
+``W8A8MXDynamicPerBlockFakeQuantLinear``, ``W4A4MXDynamicDualScaleFakeQuantLinear``) simulate the
+activation quantization with their own rules (``msmodelslim/ir/api/impl/mx_quantization.py``): element
+ties rounded half away from zero, the MXFP4 exponent ``floor(log2(amax * 8/7 + 9.6e-7)) - 2``, the MXFP8
+clamp at 480, the DualScale coarse scale ``amax / 6`` divided in float32. The NPU kernels, and so ours,
+follow the OCP / ``npu_dynamic_mx_quant`` rules written in docs/kernels.md. :func:`hardware_activations`
+runs msModelSlim's own forward unchanged (its weight dequantization, its ``F.linear`` and dtypes) and
+swaps only the activation operand of that ``F.linear`` for the hardware rule's result on the same input.
+
+The hardware rule here is a vectorised float64 transcription of ``tests/formats/reference.py`` (the
+FLOOR scale rule, E2M1 / E4M3 round-to-nearest-even with saturation, the dual-level kernel's
+``amax * float32(1/6)`` coarse scale and bf16 intermediate); it shares no code with the package, and
+``tests/checkpoint/test_recipes_proof.py`` checks it against ``reference.py`` element for element.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+EMAX = {"fp4": 2, "fp8": 8}
+MAXV = {"fp4": 6.0, "fp8": 448.0}
+MANTISSA_BITS = {"fp4": 1, "fp8": 3}
+MIN_EXPONENT = {"fp4": 0, "fp8": -6}
+
+
+def _round_elements(y: torch.Tensor, elem: str) -> torch.Tensor:
+    """float64 ``y`` rounded to nearest, ties to even, onto the E2M1 / E4M3 grid, saturated; signed."""
+    a = y.abs()
+    exponent = torch.floor(torch.log2(a.clamp_min(2.0**-60))).clamp_min(MIN_EXPONENT[elem])
+    quantum = torch.exp2(exponent - MANTISSA_BITS[elem])
+    q = torch.round(a.clamp_max(MAXV[elem]) / quantum) * quantum
+    return torch.copysign(q, y)
+
+
+def scale_codes(amax: torch.Tensor, elem: str) -> torch.Tensor:
+    """E8M0 codes of the FLOOR (OCP) rule for float32 block maxima: float32 exponent field - emax, at
+    least 0; 255 for a NaN or infinite maximum. float64 result."""
+    a = amax.double()
+    field = torch.where(a >= 2.0**-126, torch.floor(torch.log2(a.clamp_min(2.0**-126))) + 127, 0.0)
+    codes = (field - EMAX[elem]).clamp_min(0)
+    return torch.where(torch.isfinite(a), codes, 255.0)
+
+
+def fake_quantize(x: torch.Tensor, elem: str, block: int = 32) -> torch.Tensor:
+    """Quantize-dequantize along the last axis (a multiple of ``block``) with the FLOOR rule, float64."""
+    blocks = x.double().reshape(*x.shape[:-1], -1, block)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    amax = torch.where(blocks.isnan().any(dim=-1, keepdim=True), torch.nan, amax)
+    codes = scale_codes(amax, elem)
+    y = _round_elements(blocks * torch.exp2(127 - codes), elem)
+    y = torch.where(codes == 0, _round_elements(blocks * 0.0, elem), y)  # FLOOR: code 0 flushes
+    out = torch.where(codes == 255, torch.nan, y * torch.exp2(codes - 127))
+    return out.reshape(x.shape)
+
+
+def fake_quantize_dualscale(x: torch.Tensor) -> torch.Tensor:
+    """The dual-level kernel on bf16 ``x``: per 512, l0 = float32(amax * float32(1/6)); x / l0 rounded to
+    bf16; MXFP4 (FLOOR) per 32; times l0 rounded once to float32. float32 result."""
+    k = x.shape[-1]
+    padded = torch.nn.functional.pad(x.float(), (0, -k % 512))  # zeros change no chunk's maximum
+    chunks = padded.reshape(*x.shape[:-1], -1, 512)
+    amax = chunks.abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=-1, keepdim=True)
+    l0 = amax * torch.tensor(1 / 6, dtype=torch.float32)
+    l0 = torch.where(l0 < 2.0**-126, 0.0, l0)
+    t = torch.where(chunks == 0, chunks, (chunks / l0).to(torch.bfloat16).float())
+    inner = fake_quantize(t, "fp4")
+    return (inner * l0.double()).float().reshape(*x.shape[:-1], -1)[..., :k]
+
+
+def _rule_of(module: torch.nn.Module):
+    """The hardware activation rule for one of msModelSlim's fake-quant Linears, by class."""
+    name = type(module).__name__
+    if name == "W4A4MXDynamicPerBlockFakeQuantLinear":
+        return lambda x: fake_quantize(x, "fp4")
+    if name == "W8A8MXDynamicPerBlockFakeQuantLinear":
+        return lambda x: fake_quantize(x, "fp8")
+    if name == "W4A4MXDynamicDualScaleFakeQuantLinear":
+        return fake_quantize_dualscale
+    raise TypeError(f"{name} is not one of msModelSlim's MX fake-quant Linears this helper knows")
+
+
+@contextlib.contextmanager
+def hardware_activations(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """While active, ``modules`` (msModelSlim's fake-quant Linears) multiply msModelSlim's own weight
+    by the hardware rule's quantized activation instead of msModelSlim's simulated one."""
+    import msmodelslim.ir.w4a4_mx_dynamic as w4
+    import msmodelslim.ir.w4a4_mx_dynamic_dualscale as dual
+    import msmodelslim.ir.w8a8_mx_dynamic as w8
+
+    current: dict[str, torch.Tensor] = {}
+
+    class _Functional:
+        """``torch.nn.functional`` for the IR modules, but ``linear`` takes the hardware activation."""
+
+        def __getattr__(self, name):
+            return getattr(torch.nn.functional, name)
+
+        @staticmethod
+        def linear(x, weight, bias=None):
+            return torch.nn.functional.linear(current["x"].to(x.dtype), weight, bias)
+
+    def wrap(module):
+        if "forward" in vars(module):
+            raise ValueError(f"{type(module).__name__} already has its forward replaced")
+        original, rule = module.forward, _rule_of(module)
+
+        def forward(x):
+            current["x"] = rule(x)
+            return original(x)
+
+        return original, forward
+
+    saved = {id(m): wrap(m) for m in modules}
+    functionals = {ir: ir.F for ir in (w4, w8, dual)}
+    for m in modules:
+        m.forward = saved[id(m)][1]
+    for ir in functionals:
+        ir.F = _Functional()
+    try:
+        yield
+    finally:
+        for ir, functional in functionals.items():
+            ir.F = functional
+        for m in modules:
+            del m.forward  # the instance attribute set above; the class's forward shows again
