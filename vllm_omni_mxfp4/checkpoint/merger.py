@@ -1,4 +1,4 @@
-"""Merge an msModelSlim MXFP4 export into a diffusers pipeline directory (Wan2.2, Qwen-Image family).
+"""Merge an msModelSlim MXFP4 export into a diffusers pipeline directory (Wan2.2, Qwen-Image family, FLUX.1).
 
 The output is the original pipeline with each quantized transformer replaced: the diffusers tensor
 names, the quantized tensors (``weight``, ``weight_scale``, ``weight_dual_scale``, ``mul_scale``,
@@ -87,6 +87,7 @@ _EXPERTS = (
 )
 _WAN = "WanTransformer3DModel"
 _QWEN = "QwenImageTransformer2DModel"
+_FLUX = "FluxTransformer2DModel"
 #: model type (msModelSlim's ``--model_type`` spelling where it has one) -> what the merge needs.
 MODEL_TYPES: dict[str, ModelType] = {
     "Wan2.2-T2V-A14B": ModelType(("WanPipeline",), _WAN, WAN_EXPORT_NAMES, _EXPERTS),
@@ -95,6 +96,7 @@ MODEL_TYPES: dict[str, ModelType] = {
     "Qwen-Image": ModelType(("QwenImagePipeline",), _QWEN, DIFFUSERS_EXPORT_NAMES, _ONE),
     "Qwen-Image-Edit": ModelType(("QwenImageEditPipeline",), _QWEN, DIFFUSERS_EXPORT_NAMES, _ONE),
     "Qwen-Image-Edit-2509": ModelType(("QwenImageEditPlusPipeline",), _QWEN, DIFFUSERS_EXPORT_NAMES, _ONE),
+    "FLUX.1-dev": ModelType(("FluxPipeline",), _FLUX, DIFFUSERS_EXPORT_NAMES, _ONE),
 }
 #: ``(pipeline class, transformer class, config.json, tensors) -> data``: a transformer's runtime names
 #: as plain data (:meth:`ModelNames.from_dict`); ``tensors`` maps each original tensor name to its
