@@ -34,7 +34,6 @@ import torch.nn.functional as F
 
 from tests.support import msmodelslim_hw_rules as hw
 from tests.support.layers import build_expert, env_vars, forward, quantized_layers
-from tests.support.msmodelslim_hw_rules import hardware_activations
 
 from ..formats import reference
 
@@ -53,27 +52,19 @@ RUNTIME_TO_ORIGINAL = {
 }
 
 
-def _install_msmodelslim(model, linears: dict[str, torch.nn.Module]) -> int:
-    """Let msModelSlim's fake-quant modules compute every Linear it quantized; returns how many."""
+def _msmodelslim_layers(model, linears: dict[str, torch.nn.Module]) -> dict[str, list[torch.nn.Module]]:
+    """The runtime Linears whose every part msModelSlim quantized, each with msModelSlim's modules."""
     from vllm.model_executor.layers.linear import LinearBase
 
-    installed = 0
+    found = {}
     for name, layer in model.named_modules():
         if not isinstance(layer, LinearBase) or not name.startswith("blocks."):
             continue
         block, suffix = name.split(".", 2)[1], name.split(".", 2)[2]
         modules = [linears.get(f"blocks.{block}.{o}") for o in RUNTIME_TO_ORIGINAL[suffix]]
-        if any(m is None for m in modules):
-            continue
-
-        def run(x, modules=modules, return_bias=layer.return_bias):
-            with torch.no_grad():
-                out = torch.cat([m(x) for m in modules], dim=-1)
-            return (out, None) if return_bias else out
-
-        layer.forward = run
-        installed += 1
-    return installed
+        if all(m is not None for m in modules):
+            found[name] = modules
+    return found
 
 
 def _ours(vllm_env, merged):
@@ -92,31 +83,8 @@ def _reference(vllm_env, scenario, merged_name):
     return reference, linears
 
 
-def _bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many BF16 steps (ulps at the larger magnitude) two BF16 tensors are apart, elementwise."""
-    top = torch.maximum(a.abs(), b.abs()).double().clamp_min(2.0**-126)
-    return ((a.double() - b.double()).abs() / torch.exp2(torch.floor(torch.log2(top)) - 7)).round()
-
-
 def _cos(a, b):
     return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
-
-
-def _first(output):
-    """A vLLM Linear's output without its bias (``return_bias`` Linears return a pair)."""
-    return output[0] if isinstance(output, tuple) else output
-
-
-def _capture(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Hooks that record each quantized Linear's (input, output) during the next forward."""
-    seen = {}
-    for name, layer in quantized_layers(model).items():
-
-        def hook(module, args, output, name=name):
-            seen[name] = (args[0].detach().clone(), _first(output).clone())
-
-        layer.register_forward_hook(hook)
-    return seen
 
 
 @pytest.mark.parametrize("merged_name", ["w4a4f4", "w4a4f4-bf16"])
@@ -124,16 +92,18 @@ def test_transformer_output_equals_msmodelslims_model(vllm_env, merged_recipes, 
     ours = _ours(vllm_env, merged_recipes[merged_name][0])
     expected_quantized = 48 if merged_name == "w4a4f4" else 8  # runtime Linears (Q/K/V fused)
     assert len(quantized_layers(ours)) == expected_quantized
-    seen = _capture(ours)
+    seen = hw.capture(quantized_layers(ours))
     got = forward(vllm_env, ours)
     reference, linears = _reference(vllm_env, w4a4f4_export, merged_name)
-    assert _install_msmodelslim(reference, linears) == expected_quantized
+    layers = _msmodelslim_layers(reference, linears)
+    assert len(layers) == expected_quantized
+    hw.install(reference, layers)
     want = forward(vllm_env, reference)
-    with hardware_activations(list(linears.values())):
+    with hw.hardware_activations(list(linears.values())):
         hardware = forward(vllm_env, reference)
         with vllm_env.context(), torch.no_grad():
             per_layer = {
-                n: _bf16_steps(out, _first(reference.get_submodule(n)(x))) for n, (x, out) in seen.items()
+                n: hw.bf16_steps(out, hw.first(reference.get_submodule(n)(x))) for n, (x, out) in seen.items()
             }
     bf16 = forward(vllm_env, build_expert(vllm_env, w4a4f4_export.original, None))
     worst = max(steps.max().item() for steps in per_layer.values())

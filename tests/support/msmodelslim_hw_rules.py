@@ -128,3 +128,40 @@ def hardware_activations(modules: list[torch.nn.Module]) -> Iterator[None]:
             ir.F = functional
         for m in modules:
             del m.forward  # the instance attribute set above; the class's forward shows again
+
+
+def install(model: torch.nn.Module, modules_by_layer: dict[str, list[torch.nn.Module]]) -> None:
+    """Let msModelSlim's fake-quant Linears compute the named vLLM Linears of ``model``: their outputs
+    concatenated (a fused layer's parts in its order), in the input's dtype as the vLLM Linear returns."""
+    for name, modules in modules_by_layer.items():
+        layer = model.get_submodule(name)
+
+        def run(x, modules=modules, return_bias=layer.return_bias):
+            with torch.no_grad():
+                out = torch.cat([m(x) for m in modules], dim=-1).to(x.dtype)
+            return (out, None) if return_bias else out
+
+        layer.forward = run
+
+
+def first(output):
+    """A vLLM Linear's output without its bias (``return_bias`` Linears return a pair)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def capture(layers: dict[str, torch.nn.Module]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Hooks that record each of ``layers``' (input, output) during the next forward, by name."""
+    seen = {}
+    for name, layer in layers.items():
+
+        def hook(module, args, output, name=name):
+            seen[name] = (args[0].detach().clone(), first(output).clone())
+
+        layer.register_forward_hook(hook)
+    return seen
+
+
+def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many BF16 steps (ulps at the larger magnitude) two BF16 tensors are apart, elementwise."""
+    top = torch.maximum(a.abs(), b.abs()).double().clamp_min(2.0**-126)
+    return ((a.double() - b.double()).abs() / torch.exp2(torch.floor(torch.log2(top)) - 7)).round()
