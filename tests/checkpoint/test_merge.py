@@ -274,6 +274,7 @@ def ti2v(tmp_path_factory, dual_export):
     shutil.copytree(dual_export.original, original, ignore=shutil.ignore_patterns("transformer_2"))
     index = json.loads((original / "model_index.json").read_text())
     index["transformer_2"] = [None, None]
+    index["expand_timesteps"] = True  # TI2V-5B's; a one-transformer WanPipeline without it is Wan2.1
     (original / "model_index.json").write_text(json.dumps(index))
     quant = root / "quant"
     shutil.copytree(dual_export.quant / "high_noise_model", quant)
@@ -300,11 +301,12 @@ def test_auto_detects_i2v_and_rejects_unknown_pipelines(tmp_path, dual_export):
     (original / "model_index.json").write_text(json.dumps(index))
     report = merge("auto", original, dual_export.quant, tmp_path / "out", dry_run=True)
     assert report.model_type == "Wan2.2-I2V-A14B"
-    index["_class_name"] = "FluxPipeline"
+    index["_class_name"] = "SanaPipeline"
     (original / "model_index.json").write_text(json.dumps(index))
-    supported = "QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline, WanImageToVideoPipeline, WanPipeline"
+    supported = "FluxPipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline, "
+    supported += "WanImageToVideoPipeline, WanPipeline"
     with pytest.raises(
-        CheckpointError, match=rf"pipeline class 'FluxPipeline' is not one the merge supports \({supported}\)"
+        CheckpointError, match=rf"pipeline class 'SanaPipeline' is not one the merge supports \({supported}\)"
     ):
         merge("auto", original, dual_export.quant, tmp_path / "out", dry_run=True)
     with pytest.raises(
