@@ -1,4 +1,5 @@
-"""Merge an msModelSlim MXFP4 export into a diffusers pipeline directory (Wan2.2, Qwen-Image family, FLUX.1).
+"""Merge an msModelSlim MXFP4 export into a diffusers pipeline directory (Wan2.2, Wan2.1, Qwen-Image family,
+FLUX.1).
 
 The output is the original pipeline with each quantized transformer replaced: the diffusers tensor
 names, the quantized tensors (``weight``, ``weight_scale``, ``weight_dual_scale``, ``mul_scale``,
@@ -72,12 +73,23 @@ class TransformerSource:
 class ModelType:
     """A model msModelSlim quantizes and vLLM-Omni serves: its diffusers pipeline classes
     (``model_index.json`` ``_class_name``), its transformers' class, how the export names tensors
-    (:data:`~.names.EXPORT_NAMINGS`) and where each transformer is."""
+    (:data:`~.names.EXPORT_NAMINGS`) and where each transformer is. ``index_flags`` tell apart types
+    that share a pipeline class and transformers: ``model_index.json`` keys whose truth value must be
+    the one given (a missing key is false), e.g. Wan2.2-TI2V-5B's ``expand_timesteps`` against Wan2.1."""
 
     pipelines: tuple[str, ...]
     transformer_class: str
     export_names: str
     transformers: tuple[TransformerSource, ...]
+    index_flags: tuple[tuple[str, bool], ...] = ()
+
+    def describes(self, index: Mapping[str, Any], listed: list[str]) -> bool:
+        """Whether ``model_index.json`` (``index``, listing the transformers ``listed``) is this type's."""
+        return (
+            index.get("_class_name") in self.pipelines
+            and listed == [source.folder for source in self.transformers]
+            and all(bool(index.get(key)) == value for key, value in self.index_flags)
+        )
 
 
 _ONE = (TransformerSource("transformer", None),)
@@ -88,11 +100,16 @@ _EXPERTS = (
 _WAN = "WanTransformer3DModel"
 _QWEN = "QwenImageTransformer2DModel"
 _FLUX = "FluxTransformer2DModel"
+#: One-transformer WanPipelines: Wan2.2-TI2V-5B's model_index.json sets expand_timesteps, Wan2.1's does not.
+_TI2V = (("expand_timesteps", True),)
+_NOT_TI2V = (("expand_timesteps", False),)
 #: model type (msModelSlim's ``--model_type`` spelling where it has one) -> what the merge needs.
 MODEL_TYPES: dict[str, ModelType] = {
     "Wan2.2-T2V-A14B": ModelType(("WanPipeline",), _WAN, WAN_EXPORT_NAMES, _EXPERTS),
     "Wan2.2-I2V-A14B": ModelType(("WanImageToVideoPipeline",), _WAN, WAN_EXPORT_NAMES, _EXPERTS),
-    "Wan2.2-TI2V-5B": ModelType(("WanPipeline",), _WAN, WAN_EXPORT_NAMES, _ONE),
+    "Wan2.2-TI2V-5B": ModelType(("WanPipeline",), _WAN, WAN_EXPORT_NAMES, _ONE, _TI2V),
+    # msModelSlim's wan2_1 adapter (Wan2.1 T2V, 1.3B and 14B): one transformer, saved at the export root.
+    "Wan2.1-T2V": ModelType(("WanPipeline",), _WAN, WAN_EXPORT_NAMES, _ONE, _NOT_TI2V),
     "Qwen-Image": ModelType(("QwenImagePipeline",), _QWEN, DIFFUSERS_EXPORT_NAMES, _ONE),
     "Qwen-Image-Edit": ModelType(("QwenImageEditPipeline",), _QWEN, DIFFUSERS_EXPORT_NAMES, _ONE),
     "Qwen-Image-Edit-2509": ModelType(("QwenImageEditPlusPipeline",), _QWEN, DIFFUSERS_EXPORT_NAMES, _ONE),
@@ -149,7 +166,7 @@ def _auto_model_type(index: dict, listed: list[str], where: Path) -> str:
     """The model type whose pipeline class and transformers ``model_index.json`` names."""
     pipeline = index.get("_class_name")
     for name, model in MODEL_TYPES.items():
-        if pipeline in model.pipelines and listed == [source.folder for source in model.transformers]:
+        if model.describes(index, listed):
             return name
     supported = sorted({p for model in MODEL_TYPES.values() for p in model.pipelines})
     if pipeline not in supported:
