@@ -52,14 +52,22 @@ def parse_size(text: str) -> int:
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``merge`` (shared with tools/merge_mxfp4_dualscale_checkpoint.py)."""
-    from .checkpoint import AUTO, MODEL_TYPES, MXFP8_POLICIES, NON_BLOCK_POLICIES, WEIGHT_LAYOUTS
+    from .checkpoint import (
+        AUTO,
+        MODEL_TYPES,
+        MXFP8_POLICIES,
+        NON_BLOCK_POLICIES,
+        UNSERVED_MODEL_TYPES,
+        WEIGHT_LAYOUTS,
+    )
 
     parser.add_argument(
         "--model-type",
         required=True,
-        choices=[*MODEL_TYPES, AUTO],
+        choices=[*MODEL_TYPES, *UNSERVED_MODEL_TYPES, AUTO],
         help="Model variant; two-expert types map high_noise_model -> transformer and low_noise_model -> "
-        "transformer_2. 'auto' reads the original's model_index.json.",
+        "transformer_2. 'auto' reads the original's model_index.json. HunyuanVideo is refused with the "
+        "reason (msModelSlim's adapter quantizes HunyuanVideo 1.0, which vLLM-Omni does not serve).",
     )
     parser.add_argument("--original-model", required=True, help="Original BF16 diffusers pipeline directory.")
     parser.add_argument(

@@ -4,7 +4,7 @@ Importing this package does not import torch: the merge streams bytes and valida
 """
 
 from .errors import CheckpointError
-from .merger import AUTO, MODEL_TYPES, MergeReport, merge, resolve_model_type
+from .merger import AUTO, MODEL_TYPES, UNSERVED_MODEL_TYPES, MergeReport, merge, resolve_model_type
 from .names import (
     diffusers_to_wan,
     runtime_layer_name,
@@ -18,6 +18,7 @@ __all__ = [
     "MODEL_TYPES",
     "MXFP8_POLICIES",
     "NON_BLOCK_POLICIES",
+    "UNSERVED_MODEL_TYPES",
     "WEIGHT_LAYOUTS",
     "CheckpointError",
     "MergeReport",

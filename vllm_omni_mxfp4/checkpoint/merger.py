@@ -115,6 +115,18 @@ MODEL_TYPES: dict[str, ModelType] = {
     "Qwen-Image-Edit-2509": ModelType(("QwenImageEditPlusPipeline",), _QWEN, DIFFUSERS_EXPORT_NAMES, _ONE),
     "FLUX.1-dev": ModelType(("FluxPipeline",), _FLUX, DIFFUSERS_EXPORT_NAMES, _ONE),
 }
+#: msModelSlim model types whose exports vLLM-Omni cannot serve -> why; the merge refuses them by name.
+UNSERVED_MODEL_TYPES: dict[str, str] = {
+    "HunyuanVideo": (
+        "msModelSlim's hunyuan_video adapter quantizes HunyuanVideo 1.0 (the hyvideo repository's "
+        "MMDoubleStreamBlock/MMSingleStreamBlock transformer, loaded from hunyuan-video-t2v-720p), which "
+        "vLLM-Omni does not serve; vLLM-Omni serves HunyuanVideo-1.5 (HunyuanVideo15Transformer3DModel), "
+        "another architecture that msModelSlim has no adapter for: quantize HunyuanVideo-1.5 online "
+        "(--quantization mxfp4 or mxfp4_dualscale) instead"
+    ),
+}
+#: diffusers pipeline classes of those models (``model_index.json`` ``_class_name``) -> model type.
+_UNSERVED_PIPELINES = {"HunyuanVideoPipeline": "HunyuanVideo"}
 #: ``(pipeline class, transformer class, config.json, tensors) -> data``: a transformer's runtime names
 #: as plain data (:meth:`ModelNames.from_dict`); ``tensors`` maps each original tensor name to its
 #: (safetensors dtype, shape).
@@ -168,6 +180,9 @@ def _auto_model_type(index: dict, listed: list[str], where: Path) -> str:
     for name, model in MODEL_TYPES.items():
         if model.describes(index, listed):
             return name
+    if pipeline in _UNSERVED_PIPELINES:
+        name = _UNSERVED_PIPELINES[pipeline]
+        raise CheckpointError(f"{where}: pipeline class {pipeline!r} ({name}): {UNSERVED_MODEL_TYPES[name]}")
     supported = sorted({p for model in MODEL_TYPES.values() for p in model.pipelines})
     if pipeline not in supported:
         raise CheckpointError(
@@ -188,6 +203,8 @@ def resolve_model_type(model_type: str, original: Path) -> str:
     listed = _listed_transformers(index)
     if model_type == AUTO:
         return _auto_model_type(index, listed, original / "model_index.json")
+    if model_type in UNSERVED_MODEL_TYPES:
+        raise CheckpointError(f"--model-type {model_type}: {UNSERVED_MODEL_TYPES[model_type]}")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(
             f"unknown model type {model_type!r}; expected one of {', '.join([*MODEL_TYPES, AUTO])}"
