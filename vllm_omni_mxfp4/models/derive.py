@@ -47,7 +47,8 @@ def derive_names(
     experts of one model share one build) and on disk under ``VLLM_OMNI_MXFP4_CACHE``
     (:func:`_disk_cache`), so the build's fixed cost is paid once per class and config.
 
-    In a process that has not imported vLLM yet (the merge CLI), the build runs in a child process
+    In a process that has not imported vLLM yet (the merge CLI), or whose stdout or stderr has no
+    file descriptor (:func:`_has_fd`), the build runs in a child process
     (``python -m vllm_omni_mxfp4.models``): the caller's memory, stdout and stderr stay its own (vLLM
     logs to both when imported), and its error, if any, is raised here with the child's last output.
     """
@@ -59,9 +60,21 @@ def derive_names(
     cached = _disk_cache(key)
     if cached.is_file():
         return json.loads(cached.read_text())
-    text = _derive(key) if "vllm" in sys.modules else _derive_in_child(key)
+    in_process = "vllm" in sys.modules and _has_fd(sys.stdout) and _has_fd(sys.stderr)
+    text = _derive(key) if in_process else _derive_in_child(key)
     _store(cached, text)
     return json.loads(text)
+
+
+def _has_fd(stream: Any) -> bool:
+    """Whether ``stream`` has a file descriptor: vLLM's process-group setup silences stdout
+    through its descriptor, so an in-process build fails where stdout is a Python object (a
+    notebook, a captured test, the redirection of :func:`_derive`); the child process then builds."""
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return False
+    return True
 
 
 _SOURCES = ("derive.py", "../inspection/model.py")
