@@ -131,6 +131,7 @@ def build_on_meta(cls: type, config: Mapping[str, Any], quant: QuantConfig | Non
     from vllm_omni.diffusion.utils.tf_utils import get_transformer_config_kwargs
 
     from ..omni import build_quant_config
+    from ..omni.names import names_checked_by_caller
 
     params = {k: v for k, v in config.items() if k != "quantization_config"}
     kwargs = get_transformer_config_kwargs(TransformerConfig(params=params), cls)
@@ -142,7 +143,7 @@ def build_on_meta(cls: type, config: Mapping[str, Any], quant: QuantConfig | Non
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), names_checked_by_caller():  # inspect reports the names itself
             return cls(**kwargs)
     except Exception as exc:
         raise ModelError(
