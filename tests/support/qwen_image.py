@@ -170,38 +170,13 @@ def reference_forward(model: torch.nn.Module) -> torch.Tensor:
 
 
 def build_engine_transformer(env, pipeline_dir: Path) -> torch.nn.Module:
-    """vLLM-Omni's ``QwenImageTransformer2DModel`` as its Qwen-Image pipelines build it (the
-    constructor arguments from ``transformer/config.json``, the quantization config vLLM-Omni builds
-    from its ``quantization_config``, none for a BF16 original), loaded from ``pipeline_dir`` by
-    vLLM-Omni's own loader (with this package's load checks), under the ``vllm_env`` fixture."""
-    from vllm.config import LoadConfig
-    from vllm_omni.diffusion.data import TransformerConfig
-    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+    """vLLM-Omni's ``QwenImageTransformer2DModel`` built and loaded from ``pipeline_dir`` as its
+    Qwen-Image pipelines do (:func:`tests.support.msmodelslim_sd.build_engine_transformer`)."""
     from vllm_omni.diffusion.models.qwen_image.qwen_image_transformer import QwenImageTransformer2DModel
-    from vllm_omni.diffusion.utils.tf_utils import get_transformer_config_kwargs
-    from vllm_omni.quantization import build_quant_config
 
-    config = json.loads((pipeline_dir / "transformer" / "config.json").read_text())
-    quant = config.pop("quantization_config", None)
-    env.od_config.tf_model_config = TransformerConfig(params=config)
-    kwargs = get_transformer_config_kwargs(env.od_config.tf_model_config, QwenImageTransformer2DModel)
-    with env.context():
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = QwenImageTransformer2DModel(
-                od_config=env.od_config, quant_config=build_quant_config(quant) if quant else None, **kwargs
-            )
-        finally:
-            torch.set_default_dtype(old)
-        source = DiffusersPipelineLoader.ComponentSource(
-            model_or_path=str(pipeline_dir), subfolder="transformer", revision=None
-        )
-        model.weights_sources = [source]
-        loader = DiffusersPipelineLoader(LoadConfig(), env.od_config)
-        loader.load_weights(model)
-        loader._process_weights_after_loading(model, torch.device("cpu"))
-    return model.eval()
+    from tests.support.msmodelslim_sd import build_engine_transformer as build
+
+    return build(env, pipeline_dir, QwenImageTransformer2DModel)
 
 
 def engine_forward(env, model: torch.nn.Module) -> torch.Tensor:
