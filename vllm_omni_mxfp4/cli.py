@@ -289,8 +289,10 @@ SIGINT (130), SIGHUP (129), SIGQUIT (131) and SIGTERM (143)."""
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``convert``."""
-    from .convert import DEFAULT_RULE
-    from .formats.requant import REQUANT_RULES
+    # from spec (stdlib only): building the parser must not import torch, or every command
+    # (merge included) would pay its import time and memory
+    from .spec import REQUANT_DEFAULT_RULE as DEFAULT_RULE
+    from .spec import REQUANT_RULES
 
     parser.add_argument(
         "--input", required=True, help="NVFP4 pipeline directory, or one transformer directory."

@@ -64,6 +64,14 @@ NVFP4_BLOCK = 16
 NVFP4_SCALE_TILE = (128, 4)
 """(rows, scale columns) of one tile of the cuBLAS 2-D blocked ("swizzled") NVFP4 scale layout."""
 
+REQUANT_RULES = ("floor", "even", "rceil", "mse")
+"""The E8M0 exponent rules of NVFP4 -> MXFP4 requantization (:mod:`vllm_omni_mxfp4.formats.requant`)."""
+
+REQUANT_DEFAULT_RULE = "mse"
+"""The requantization rule ``convert`` and ``nvfp4_requant_rule: auto`` use: the most accurate (never
+worse than floor, even or rceil on any block), and every backend runs it, since requantized weights
+are data to each kernel."""
+
 
 FORMATS = ("mxfp4", "mxfp4_dualscale", "mxfp8")
 """The quantized Linear formats: one per vLLM-Omni quantization method (``mxfp4``,

@@ -24,6 +24,7 @@ from types import MappingProxyType
 from typing import Any
 
 from vllm_omni_mxfp4.spec import BACKENDS as HARDWARE_BACKENDS
+from vllm_omni_mxfp4.spec import REQUANT_RULES
 
 Validator = Callable[[str, Any], Any]
 
@@ -162,7 +163,7 @@ def check_backend(key: str, value: object) -> str:
     return value
 
 
-NVFP4_REQUANT_RULES = ("auto", "floor", "even", "rceil", "mse")
+NVFP4_REQUANT_RULES = ("auto", *REQUANT_RULES)
 """Values of ``nvfp4_requant_rule``: ``auto`` (the most accurate rule the backend runs: ``mse``, since
 weights are data to every kernel) or a rule of ``vllm_omni_mxfp4.formats.requant.REQUANT_RULES``."""
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from vllm_omni_mxfp4 import spec
 from vllm_omni_mxfp4.checkpoint import staging
 from vllm_omni_mxfp4.checkpoint.errors import CheckpointError
 from vllm_omni_mxfp4.checkpoint.merger import check_output, component_files, copy_file, handle_stale_staging
@@ -32,7 +33,7 @@ from .plan import ComponentPlan, ComponentReport, plan_component
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RULE = "mse"
+DEFAULT_RULE = spec.REQUANT_DEFAULT_RULE
 """The default scale rule: the most accurate (never worse than floor, even or rceil on any block);
 offline, the result is data to every backend, so no kernel constrains the choice."""
 

@@ -39,8 +39,8 @@ from .e2m1 import e2m1_decode, e2m1_encode, pack_fp4
 from .nvfp4 import Nvfp4Weight, dequantize_nvfp4, row_slices
 from .scale_rules import e8m0_to_float, shared_exponent_codes
 
-REQUANT_RULES = ("floor", "even", "rceil", "mse")
-"""The exponent rules :func:`requantize_nvfp4` accepts."""
+REQUANT_RULES = spec.REQUANT_RULES
+"""The exponent rules :func:`requantize_nvfp4` accepts (the one list in :mod:`vllm_omni_mxfp4.spec`)."""
 
 MX_BLOCK = spec.MX_BLOCK
 HALF = spec.NVFP4_BLOCK

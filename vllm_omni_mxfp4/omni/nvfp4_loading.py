@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from .. import spec
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.names import runtime_layer_name
 from ..config import LayerRoute, Precision
@@ -63,7 +64,7 @@ logger = logging.getLogger(__name__)
 PLAN_ATTR = "_mx_nvfp4"
 """The attribute of a built expert holding its :class:`Nvfp4Plan` (and so its load report)."""
 
-AUTO_RULE = "mse"
+AUTO_RULE = spec.REQUANT_DEFAULT_RULE
 """What ``nvfp4_requant_rule: auto`` means on every backend. Requantized weights are data to each
 kernel (packed E2M1 + E8M0, prepared like any offline checkpoint): no kernel's ``can_implement``
 looks at how the weight exponents were chosen, so the most accurate rule always runs."""
