@@ -191,6 +191,74 @@ def test_requant_equals_quantize_mx_of_the_exact_dequant_on_awkward_weights(rule
     assert torch.equal(result.data, data)
 
 
+def test_mse_equals_the_reference_on_awkward_weights() -> None:
+    """``mse`` compares e0 with only one neighbour (module docstring); on every E4M3 byte, tiny
+    (code 0) and zero blocks, -0 codes and per-row global scales it still picks what comparing all
+    three exactly (the scalar reference, ``math.fsum``) picks, and the same elements."""
+    w = awkward_weight(seed=12)
+    result = requantize_nvfp4(w, "mse")
+    padded = torch.nn.functional.pad(dequantize_nvfp4(w), (0, 16))
+    codes, elems = [], []
+    for block in rows_of_blocks(padded):
+        codes.append(reference.mse_code(block))
+        elems.extend(reference.mx_codes(block, codes[-1]))
+    assert result.scale.flatten().tolist() == codes
+    want = pack_fp4(torch.tensor(elems, dtype=torch.uint8).reshape(48, 96)[:, :80])
+    assert torch.equal(result.data, want)
+    assert 0 in codes and len(set(codes)) > 20
+
+
+def test_mse_picks_each_neighbour_where_it_wins() -> None:
+    """Constructed blocks (global scale 1): all 7.5 (floor saturates at 6; one octave up rounds to 8)
+    wins with e0 + 1; a maximum of 4.125 with 31 elements on the finer grid of one octave down
+    (0.25, 0.6875) wins with e0 - 1, the case the module docstring bounds at maximum < 4.47."""
+    e2m1 = {0.5: 1, 1.0: 2, 6.0: 7}
+    up = [e2m1[6.0]] * 32, [1.25, 1.25]  # 6 x 1.25 = 7.5 everywhere
+    down = [e2m1[0.5]] * 16 + [e2m1[6.0]] + [e2m1[1.0]] * 15, [0.5, 0.6875]  # 0.25; 4.125, 0.6875
+    codes = pack_fp4(torch.tensor([up[0], down[0]], dtype=torch.uint8))
+    scales = torch.tensor([up[1], down[1]]).to(torch.float8_e4m3fn)
+    w = Nvfp4Weight(codes, scales, torch.tensor(1.0))
+    result = requantize_nvfp4(w, "mse")
+    blocks = rows_of_blocks(dequantize_nvfp4(w))
+    floor = [reference.floor_code(max(map(abs, b))) for b in blocks]
+    assert [reference.mse_code(b) for b in blocks] == [floor[0] + 1, floor[1] - 1]
+    assert result.scale.flatten().tolist() == [floor[0] + 1, floor[1] - 1]
+    elems = [
+        c for b, code in zip(blocks, result.scale.flatten().tolist()) for c in reference.mx_codes(b, code)
+    ]
+    assert torch.equal(result.data, pack_fp4(torch.tensor(elems, dtype=torch.uint8).reshape(2, 32)))
+
+
+def test_worker_threads_give_the_single_thread_result_and_restore_the_thread_count() -> None:
+    """On the CPU the row chunks are spread over worker threads running single-threaded ops; the
+    bytes and the report do not depend on it, and torch's thread count is what it was, also for
+    threads started afterwards."""
+    import threading
+
+    from vllm_omni_mxfp4.formats import nvfp4
+
+    w = random_weight(384, 2048, seed=13)
+    assert len(list(nvfp4.row_slices(384, 2048))) > 2
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = requantize_nvfp4(w, "mse")
+        torch.set_num_threads(3)
+        spread = requantize_nvfp4(w, "mse")
+        assert torch.get_num_threads() == 3
+        seen = []
+        probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        probe.start()
+        probe.join()
+        assert seen == [3]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(single.data, spread.data) and torch.equal(single.scale, spread.scale)
+    assert single.error.exact_blocks == spread.error.exact_blocks
+    assert single.error.rel_rms == pytest.approx(spread.error.rel_rms, rel=1e-12)
+    assert single.error.max_abs == spread.error.max_abs
+
+
 def test_floor_code_zero_blocks_are_zeroed_like_quantize_mx() -> None:
     """A block below 2^-125 gets FLOOR code 0, which zeroes it (keeping signs), as quantize_mx does."""
     codes = torch.full((1, 16), 0x91, dtype=torch.uint8)  # 0.5 and -0.5: amax 2^-127, s * g = 2^-126

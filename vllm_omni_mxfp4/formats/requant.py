@@ -12,23 +12,34 @@ unchanged. The exponent rule is selectable:
 - ``mse``: per block, among the exponents ``e0 - 1, e0, e0 + 1`` (``e0`` = the ``floor`` code,
   clamped to 0..254) the one whose quantize-dequantize has the least squared error against the
   float32 block. The set holds every code ``floor``, ``even`` and ``rceil`` can give (``e0`` or
-  ``e0 + 1``), so ``mse`` is never worse than any of them on any block. Ties go to ``e0`` when it
-  is among the best (a block ``floor`` reproduces exactly keeps ``floor``'s bytes, so lossless
-  round trips give back the original MXFP4 bytes), otherwise to the larger exponent.
+  ``e0 + 1``), so ``mse`` is never worse than any of them on any block. Ties go to ``e0``.
+  Only two of the three need computing (:func:`_mse_codes`): with ``a`` = block max / 2^e0 in
+  [4, 8), ``e0 + 1`` can only win when ``a > 6`` (below, ``e0``'s grid holds ``e0 + 1``'s on
+  [0, 6 * 2^e0], so no element gets closer) and ``e0 - 1`` only when ``a < 4.47`` (it saturates the
+  maximum at 3 * 2^e0, losing at least ``2a - 7`` in units of 4^e0, while it can gain at most
+  1/16 on each of the other 31 elements, where its grid is finer); so a block compares ``e0`` with
+  ``e0 + 1`` when ``a >= 5`` and with ``e0 - 1`` otherwise, and gets the same code as comparing all
+  three. A block ``floor`` reproduces exactly keeps ``floor``'s bytes, so lossless round trips give
+  back the original MXFP4 bytes.
 
 How, without a float32 copy of the layer: an element's result depends only on its 4-bit code, its
 E4M3 scale byte, the global scale and the block exponent, and within a 16-element half the
 exponent matters only through its offset ``d`` from the half's own natural exponent, which can
-only take a few values (:data:`SHIFTS`). So one set of tables per global-scale value, built with
-the exact dequant and :func:`~.e2m1.e2m1_encode` themselves, maps ``(scale byte, d, input byte)`` to
-the output byte, its squared error and its largest error; requantizing a layer is then table
-gathers over its bytes, in row chunks. The tests check the result against an independent float64
-reference and against ``quantize_mx`` of the float32 dequant.
+only take a few values (:data:`SHIFTS`). So one set of tables per global-scale value and the scale
+bytes the layer uses, built with the exact dequant and :func:`~.e2m1.e2m1_encode` themselves, maps
+``(scale byte, d, input byte)`` to the output byte, its squared error and its largest error;
+requantizing a layer is then table gathers over its bytes, in row chunks (on the CPU spread over
+worker threads, :func:`_in_workers`). The tests check the result against an independent float64
+reference and against ``quantize_mx`` of the float32 dequant; ``bench/requant.py`` measures it
+against BF16 -> MXFP4 quantization.
 """
 
 from __future__ import annotations
 
 import math
+import struct
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +59,8 @@ SHIFTS = tuple(range(-6, 8))
 """Offsets ``d`` = block exponent - the half's natural exponent (the ``floor`` code of 6 * s * g).
 A block exponent is at least ``floor(amax) - 1`` and a nonzero half's amax is at least 1/12 of its
 6 * s * g, so ``d >= -5``; the half's elements are below 2^(3 - d) times the block scale, so from
-``d = 5`` on all of them round to +-0: larger offsets are looked up at ``d = 5``, and the slots up
-to ``d = 7`` let ``mse`` reach its two upper candidates by adding one or two slots."""
+``d = 5`` on all of them round to +-0: larger offsets are looked up at ``d = 5``, and the slots
+above it let ``mse``'s upper candidate always be the next slot."""
 TOP = SHIFTS.index(5)
 SLOTS = len(SHIFTS) + 1
 ZEROED = len(SHIFTS)
@@ -94,33 +105,37 @@ class Requantized:
 
 @dataclass(frozen=True)
 class _Tables:
-    """Lookup tables for one global scale (see the module docstring).
+    """Lookup tables for one global scale and the scale bytes a layer uses (module docstring).
 
-    ``half_codes`` (256 scale bytes * 8): the E8M0 code of the rule (``floor`` for ``mse``) of a
-    16-half whose largest magnitude code is that one; every rule's code grows with the block
-    maximum, so a block's code is the larger of its halves' (no float maximum, no rule per block).
-    ``natural``
-    (256,): the half's natural exponent; ``out`` / ``sse`` / ``max_err`` (256, slots, 256 bytes):
-    output byte, float64 squared error and float32 largest |error| of a byte; ``ref2`` (256, 256):
-    float64 sum of squares of a byte's two values; ``out_of_range`` (256,): scale bytes whose
-    6 * s * g is nonzero but below 2^-124 or at least 2^123, where a slot's code would leave
-    0..254 and the tables do not hold.
+    ``remap`` (256,): scale byte -> its row in the other tables (only the bytes the layer uses get
+    rows, so building them is cheap and they stay in cache). ``half_codes`` (rows * 8): the E8M0
+    code of the rule of a 16-half whose largest magnitude code is that one; every rule's code grows
+    with the block maximum, so a block's code is the larger of its halves' (no float maximum, no
+    rule per block). For ``mse`` the entry is ``floor code * 2 + up`` with ``up`` = maximum >=
+    5 * 2^(code - 127) or code 0, so the larger of a block's two entries also says which neighbour
+    of ``e0`` to try (module docstring; at code 0 there is no ``e0 - 1``). ``natural`` (rows,): the half's natural exponent. ``out`` / ``sse`` / ``ref2``
+    (rows, slots, 256 bytes): of a byte, int64 ``largest |error| << 8 | output byte`` (the float32
+    bits of a non-negative error order as the floats do, so one gather gives the byte and the
+    layer's largest error is the maximum of the gathered values, shifted), float64 squared error and
+    float64 sum of squares of the input (the same in every slot, so one index serves all three);
+    ``pair`` (``mse`` only): ``sse`` of a slot and of the next one as one complex128, so one gather
+    and one sum give both candidates' block errors.
     """
 
+    remap: torch.Tensor
     half_codes: torch.Tensor
     natural: torch.Tensor
     out: torch.Tensor
     sse: torch.Tensor
-    max_err: torch.Tensor
     ref2: torch.Tensor
-    out_of_range: torch.Tensor
+    pair: torch.Tensor | None
 
 
 def _element_tables(values: torch.Tensor, natural: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E2M1 codes and float32 errors ``(256, slots, 16)`` of every (scale byte, slot, code)."""
+    """E2M1 codes and float32 errors ``(rows, slots, 16)`` of every (scale byte, slot, code)."""
     shift = torch.tensor(SHIFTS, dtype=torch.int32)
-    code = (natural.unsqueeze(1) + shift).clamp(0, 254).unsqueeze(-1)  # (256, shifts, 1)
-    x = values.unsqueeze(1)  # (256, 1, 16)
+    code = (natural.unsqueeze(1) + shift).clamp(0, 254).unsqueeze(-1)  # (rows, shifts, 1)
+    x = values.unsqueeze(1)  # (rows, 1, 16)
     q = e2m1_encode(x * e8m0_to_float(254 - code))  # x * 2^(127 - code), exact
     err = e2m1_decode(q) * e8m0_to_float(code) - x
     q_zero = e2m1_encode(x * 0.0)  # FLOOR's code 0 zeroes the block, keeping each sign
@@ -133,23 +148,53 @@ def _bytes(low: torch.Tensor, high: torch.Tensor, op) -> torch.Tensor:
     return op(low.unsqueeze(-2), high.unsqueeze(-1)).flatten(-2)
 
 
-def _tables(g: float, divides: bool, device: torch.device, rule: str) -> _Tables:
-    """The tables of global scale ``g`` (a multiplier, or a divisor with ``divides``), built with the
-    exact dequant of every (scale byte, code) pair. About 13 MB, built per call in a few
-    milliseconds and not cached: every layer has its own global scale."""
-    codes = pack_fp4(torch.arange(16, dtype=torch.uint8).expand(256, 16))
-    scales = torch.arange(256, dtype=torch.uint8).reshape(256, 1).view(torch.float8_e4m3fn)
+def _half_codes(values: torch.Tensor, rule: str) -> torch.Tensor:
+    """``(rows * 8,)`` int32 :attr:`_Tables.half_codes` of the magnitudes ``values`` ``(rows, 8)``."""
+    amax = values.abs().flatten()
+    if rule != "mse":
+        return shared_exponent_codes(amax, rule)
+    e0 = shared_exponent_codes(amax, "floor")
+    return e0 * 2 + ((amax >= 5 * e8m0_to_float(e0)) | (e0 == 0)).int()
+
+
+def _check_range(name: str, used: torch.Tensor, values: torch.Tensor, natural: torch.Tensor) -> None:
+    """Refuse scale bytes whose 6 * s * g is nonzero but below 2^-124 or at least 2^123: a slot's
+    code would leave 0..254 there, and the tables do not hold."""
+    bad = ((natural == 0) & (values[:, 7] != 0)) | (natural > 254 - SHIFTS[-1])
+    if bool(bad.any()):
+        byte = int(used[bad.nonzero()[0, 0]])
+        raise ValueError(
+            f"{name}: 6 x block scale x global scale outside [2^-124, 2^123) (scale byte 0x{byte:02X}; "
+            "weights near the float32 limits) cannot be requantized; keep this layer unquantized"
+        )
+
+
+def _tables(
+    name: str, g: float, divides: bool, used: torch.Tensor, device: torch.device, rule: str
+) -> _Tables:
+    """The tables of global scale ``g`` (a multiplier, or a divisor with ``divides``) for the scale
+    bytes ``used`` (uint8, CPU), built with the exact dequant of every (scale byte, code) pair. About
+    80 kB (150 kB for ``mse``) per byte used, built per call in a few milliseconds and not cached:
+    every layer has its own global scale."""
+    rows = used.numel()
+    codes = pack_fp4(torch.arange(16, dtype=torch.uint8).expand(rows, 16))
+    scales = used.reshape(rows, 1).view(torch.float8_e4m3fn)
     values = dequantize_nvfp4(Nvfp4Weight(codes, scales, torch.tensor(g, dtype=torch.float32), divides))
-    values = torch.nan_to_num(values)  # NaN scale bytes: refused before any lookup
     natural = shared_exponent_codes(values[:, 7].abs(), "floor")
+    _check_range(name, used, values, natural)
     q, err = _element_tables(values, natural)
     e2, a, v2 = err.double().square(), err.abs(), values.double().square()
-    out = _bytes(q, q << 4, torch.bitwise_or)
-    sse, max_err, ref2 = _bytes(e2, e2, torch.add), _bytes(a, a, torch.maximum), _bytes(v2, v2, torch.add)
-    out_of_range = ((natural == 0) & (values[:, 7] != 0)) | (natural > 254 - SHIFTS[-1])
-    half_codes = shared_exponent_codes(values[:, :8].abs().flatten(), "floor" if rule == "mse" else rule)
-    tables = (half_codes, natural, out, sse, max_err, ref2, out_of_range)
-    return _Tables(*(t.to(device) for t in tables))
+    max_err = _bytes(a, a, torch.maximum).view(torch.int32).long()
+    out = (max_err << 8) | _bytes(q, q << 4, torch.bitwise_or)
+    sse = _bytes(e2, e2, torch.add)
+    ref2 = _bytes(v2, v2, torch.add).unsqueeze(1).expand(sse.shape).contiguous()
+    pair = None
+    if rule == "mse":  # (slot, slot + 1); the last slot (ZEROED) never starts a pair
+        pair = torch.complex(sse, torch.nn.functional.pad(sse[:, 1:], (0, 0, 0, 1)))
+    remap = torch.zeros(256, dtype=torch.int32)
+    remap[used.long()] = torch.arange(rows, dtype=torch.int32)
+    tables = (remap, _half_codes(values[:, :8], rule), natural, out, sse, ref2, pair)
+    return _Tables(*(None if t is None else t.to(device) for t in tables))
 
 
 # ---------------------------------------------------------------------------- one row chunk
@@ -161,56 +206,72 @@ def _gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return table.reshape(-1).index_select(0, index.reshape(-1)).reshape(index.shape)
 
 
-def _block_codes(t: _Tables, data: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """int32 ``(R, G)`` codes of the tables' rule from bytes ``(R, 2G, 8)`` (uint8) and scale bytes
-    ``(R, 2G)``: the larger of each block's two halves' codes (see :class:`_Tables`)."""
+def _block_codes(t: _Tables, data: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """int32 ``(R, G)`` :attr:`_Tables.half_codes` entries of blocks from bytes ``(R, 2G, 8)``
+    (uint8) and table rows ``(R, 2G)``: the larger of each block's two halves' entries."""
     mag = torch.maximum(data & 7, (data >> 4) & 7).amax(dim=-1)  # each half's largest magnitude code
-    return _gather(t.half_codes, s * 8 + mag.int()).reshape(s.shape[0], -1, 2).amax(dim=-1)
+    return _gather(t.half_codes, row * 8 + mag).reshape(row.shape[0], -1, 2).amax(dim=-1)
 
 
-def _slot_index(t: _Tables, s: torch.Tensor, data: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-    """int32 flat table index ``(R, 2G, 8)`` of every byte for block codes ``code`` ``(R, G)``."""
-    d = code.repeat_interleave(2, dim=1) - _gather(t.natural, s)
-    slot = (d - SHIFTS[0]).clamp_(0, TOP)
-    return ((s * SLOTS + slot) * 256).unsqueeze(-1) + data
+def _slot_index(row: torch.Tensor, slot: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """int32 flat table index ``(R, 2G, 8)`` of every byte (``data`` uint8) of halves whose table
+    rows and slots are ``row`` / ``slot`` ``(R, 2G)``."""
+    return ((row * SLOTS + slot) * 256).unsqueeze(-1) + data
 
 
-def _block_sse(t: _Tables, index: torch.Tensor) -> torch.Tensor:
-    """float64 ``(R, G)`` squared error of each block for the byte indices ``index`` ``(R, 2G, 8)``."""
-    return _gather(t.sse, index).reshape(index.shape[0], -1, MX_BLOCK // 2).sum(dim=-1)
+def _slots(code: torch.Tensor, natural: torch.Tensor) -> torch.Tensor:
+    """int32 slots ``(R, 2G)`` of the halves (natural exponents ``natural``) of blocks with E8M0
+    codes ``code`` ``(R, G)``: slots from :data:`TOP` on all give zeros, so they clamp there."""
+    return (code.repeat_interleave(2, dim=1) - natural - SHIFTS[0]).clamp_(0, TOP)
 
 
-def _mse_codes(t: _Tables, s: torch.Tensor, data: torch.Tensor, e0: torch.Tensor):
+def _block_sse(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``(R, G)`` sum over each block of ``table`` at the byte indices ``index`` ``(R, 2G, 8)``."""
+    return _gather(table, index).reshape(index.shape[0], -1, MX_BLOCK // 2).sum(dim=-1)
+
+
+def _mse_codes(t: _Tables, row: torch.Tensor, natural: torch.Tensor, data: torch.Tensor, key: torch.Tensor):
     """The ``mse`` rule: int32 codes ``(R, G)``, their byte indices and block errors (float64).
 
-    The candidates e0 - 1, e0, e0 + 1 are consecutive table slots, so one index serves all three;
-    e0 - 1 does not exist for e0 = 0.
+    ``key`` = the blocks' :attr:`_Tables.half_codes` entries: ``e0`` and whether the other candidate
+    is ``e0 + 1`` (else ``e0 - 1``). The two candidates are consecutive slots, whose errors
+    :attr:`_Tables.pair` holds together; a tie keeps ``e0``.
     """
-    low = _slot_index(t, s, data, e0 - 1)
-    sse = torch.stack([_block_sse(t, low + 256 * j if j else low) for j in range(3)], dim=-1)
-    sse[..., 0].masked_fill_(e0 == 0, math.inf)
-    best = sse.amin(dim=-1)
-    pick = torch.where(sse[..., 1] == best, 1, torch.where(sse[..., 2] == best, 2, 0))
-    index = low + 256 * pick.int().repeat_interleave(2, dim=1).unsqueeze(-1)
-    return e0 - 1 + pick.int(), index, sse.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+    e0, up = key >> 1, key & 1
+    start = e0 - 1 + up  # the pair (start, start + 1) is (e0 - 1, e0) or (e0, e0 + 1)
+    low = _slot_index(row, _slots(start, natural), data)
+    both = _block_sse(t.pair, low)
+    first, second = both.real, both.imag
+    step = torch.where(up.bool(), second < first, second <= first)  # the chosen code's place in the pair
+    index = low + (step.int() * 256).repeat_interleave(2, dim=1).unsqueeze(-1)
+    return start + step, index, torch.where(step, second, first)
 
 
+@dataclass
 class _ErrorSums:
     """Running sums of the error report over row chunks (squares summed in float64)."""
 
-    def __init__(self) -> None:
-        self.err2 = self.ref2 = self.max_abs = 0.0
-        self.exact = self.blocks = 0
+    err2: float = 0.0
+    ref2: float = 0.0
+    max_abs: float = 0.0
+    exact: int = 0
+    blocks: int = 0
 
-    def add(self, t: _Tables, index: torch.Tensor, s: torch.Tensor, data: torch.Tensor, sse=None) -> None:
-        """Add a chunk whose bytes were requantized through the table indices ``index`` (``sse``:
-        the block errors when the caller has them already)."""
-        sse = _block_sse(t, index) if sse is None else sse
+    def add(self, t: _Tables, index: torch.Tensor, sse: torch.Tensor, out: torch.Tensor) -> None:
+        """Add a chunk whose bytes were requantized through the table indices ``index``, with block
+        errors ``sse`` and :attr:`_Tables.out` entries ``out``."""
         self.err2 += float(sse.sum())
-        self.ref2 += float(_gather(t.ref2, (s * 256).unsqueeze(-1) + data).sum())
-        self.max_abs = max(self.max_abs, float(_gather(t.max_err, index).max()))
+        self.ref2 += float(_gather(t.ref2, index).sum())
+        largest = struct.unpack("<f", struct.pack("<i", int(out.max()) >> 8))[0]
+        self.max_abs = max(self.max_abs, largest)
         self.exact += int((sse == 0).sum())
         self.blocks += sse.numel()
+
+    def merge(self, other: _ErrorSums) -> None:
+        """Add another worker's sums."""
+        self.err2, self.ref2 = self.err2 + other.err2, self.ref2 + other.ref2
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.exact, self.blocks = self.exact + other.exact, self.blocks + other.blocks
 
     def report(self, name: str, rule: str) -> RequantError:
         rel = math.sqrt(self.err2 / self.ref2) if self.ref2 else math.sqrt(self.err2)
@@ -222,21 +283,24 @@ def _requant_chunk(t: _Tables, codes: torch.Tensor, scales: torch.Tensor, rule: 
     r, half_k = codes.shape
     groups = spec.ceil_div(half_k * 2, MX_BLOCK)
     pad = groups * MX_BLOCK // 2 - half_k
-    s = scales.int()
+    row = _gather(t.remap, scales.int())
     if pad:  # a partial last MX block: one more half of zero codes with scale byte 0
-        codes, s = torch.nn.functional.pad(codes, (0, pad)), torch.nn.functional.pad(s, (0, 1))
-    codes = codes.reshape(r, 2 * groups, HALF // 2)
-    code = _block_codes(t, codes, s)
-    data = codes.int()
+        codes = torch.nn.functional.pad(codes, (0, pad))
+        row = torch.nn.functional.pad(row, (0, 1), value=int(t.remap[0]))
+    data = codes.reshape(r, 2 * groups, HALF // 2)
+    code = _block_codes(t, data, row)
+    natural = _gather(t.natural, row)
     if rule == "mse":
-        code, index, sse = _mse_codes(t, s, data, code)
+        code, index, sse = _mse_codes(t, row, natural, data, code)
     else:
-        index, sse = _slot_index(t, s, data, code), None
-    if rule == "floor" and bool((code == 0).any()):  # quantize_mx's FLOOR: code 0 zeroes the block
-        zeroed = ((s * SLOTS + ZEROED) * 256).unsqueeze(-1) + data
-        index = torch.where((code == 0).repeat_interleave(2, dim=1).unsqueeze(-1), zeroed, index)
-    sums.add(t, index, s, data, sse)
-    return _gather(t.out, index).reshape(r, -1)[:, :half_k], code.to(torch.uint8)
+        slot = _slots(code, natural)
+        if rule == "floor":  # quantize_mx's FLOOR: code 0 zeroes the block, keeping each sign
+            slot = torch.where((code == 0).repeat_interleave(2, dim=1), ZEROED, slot)
+        index = _slot_index(row, slot, data)
+        sse = _block_sse(t.sse, index)
+    out = _gather(t.out, index)
+    sums.add(t, index, sse, out)
+    return out.reshape(r, -1)[:, :half_k].to(torch.uint8), code.to(torch.uint8)
 
 
 # ------------------------------------------------------------------------------------ public
@@ -261,27 +325,77 @@ def _row_groups(w: Nvfp4Weight) -> list[tuple[float, torch.Tensor | None]]:
     return [(float(v), (inverse == i).nonzero().squeeze(1)) for i, v in enumerate(values.tolist())]
 
 
+def _used_bytes(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """The distinct scale bytes of a layer, and 0 (a partial block's padding), as a uint8 CPU tensor."""
+    count = torch.bincount(scale_bytes.reshape(-1), minlength=256)
+    count[0] = 1
+    return count.nonzero().squeeze(1).to(device="cpu", dtype=torch.uint8)
+
+
+def _in_workers(
+    work: Callable[[list[slice]], _ErrorSums], chunks: list[slice], device: torch.device
+) -> _ErrorSums:
+    """``work`` over ``chunks``, split across torch's intra-op thread count on the CPU.
+
+    Each worker thread runs its share of the row chunks with single-threaded ops: the per-chunk
+    ops are many and small, and splitting each one over OpenMP threads costs more in fork/join than
+    it gains (``bench/requant.py``: about 1.6x). ``torch.set_num_threads(1)`` in a worker sets its own
+    OpenMP threads and the process-wide default that new threads start from, which is put back when
+    the workers are done. Elsewhere (an accelerator, one thread, one chunk) ``work`` runs here.
+    """
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads < 2 or len(chunks) < 2:
+        return work(chunks)
+    n = min(threads, len(chunks))
+    shares = [chunks[i * len(chunks) // n : (i + 1) * len(chunks) // n] for i in range(n)]
+    results: list[_ErrorSums | BaseException | None] = [None] * n
+
+    def run(i: int) -> None:
+        torch.set_num_threads(1)
+        try:
+            results[i] = work(shares[i])
+        except BaseException as exc:  # re-raised in the caller's thread
+            results[i] = exc
+
+    workers = [threading.Thread(target=run, args=(i,), name=f"vllm-omni-mxfp4-requant-{i}") for i in range(n)]
+    try:
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    total = _ErrorSums()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+        total.merge(result)
+    return total
+
+
 def requantize_nvfp4(w: Nvfp4Weight, rule: str = "mse") -> Requantized:
     """Requantize an NVFP4 weight to MXFP4 under ``rule`` (module docstring), with its error report."""
     if rule not in REQUANT_RULES:
         raise ValueError(f"rule must be one of {list(REQUANT_RULES)}, got {rule!r}")
     _check_scales(w)
     n, k = w.shape
-    data = torch.empty((n, k // 2), dtype=torch.uint8, device=w.codes.device)
-    scale = torch.empty((n, spec.ceil_div(k, MX_BLOCK)), dtype=torch.uint8, device=w.codes.device)
+    device = w.codes.device
+    data = torch.empty((n, k // 2), dtype=torch.uint8, device=device)
+    scale = torch.empty((n, spec.ceil_div(k, MX_BLOCK)), dtype=torch.uint8, device=device)
     sums = _ErrorSums()
     scale_bytes = w.scales.view(torch.uint8)
     for g, rows in _row_groups(w):
-        t = _tables(g, w.global_divides, w.codes.device, rule)
         codes = w.codes if rows is None else w.codes.index_select(0, rows)
         sbytes = scale_bytes if rows is None else scale_bytes.index_select(0, rows)
-        if bool(_gather(t.out_of_range, sbytes.long()).any()):
-            raise ValueError(
-                f"{w.name}: 6 x block scale x global scale outside [2^-124, 2^123) (weights near the "
-                "float32 limits) cannot be requantized; keep this layer unquantized"
-            )
-        for chunk in row_slices(codes.shape[0], k):
-            out, code = _requant_chunk(t, codes[chunk], sbytes[chunk], rule, sums)
-            target = chunk if rows is None else rows[chunk]
-            data[target], scale[target] = out, code
+        t = _tables(w.name, g, w.global_divides, _used_bytes(sbytes), device, rule)
+
+        def work(chunks: list[slice], t=t, codes=codes, sbytes=sbytes, rows=rows) -> _ErrorSums:
+            part = _ErrorSums()
+            for chunk in chunks:
+                out, code = _requant_chunk(t, codes[chunk], sbytes[chunk], rule, part)
+                target = chunk if rows is None else rows[chunk]
+                data[target], scale[target] = out, code
+            return part
+
+        sums.merge(_in_workers(work, list(row_slices(codes.shape[0], k)), device))
     return Requantized(data, scale, sums.report(w.name, rule))
