@@ -11,6 +11,8 @@ One job per module:
 * :mod:`._cpu_platform`: the ``CpuOmniPlatform`` class vLLM-Omni instantiates;
 * :mod:`.attention`: torch SDPA attention dispatched for CPU;
 * :mod:`.fixups`: the runtime override of vLLM-Omni that multi-process runs need;
+* :mod:`.op_fixups`: two ops CUDA and Ascend provide and vLLM's CPU path lacks (a strided GEMM
+  input, a per-token rotary table);
 * :mod:`.request_guard`: the memory a request needs at least, the limit, and a failure's reason;
 * :mod:`.runner`: vLLM-Omni's model runner with that guard (the platform's runner class);
 * :mod:`.job_errors`: the override that gives a failed video job a reason in the API server.

@@ -1,0 +1,105 @@
+"""Two ops that CUDA and Ascend provide and vLLM's CPU path lacks, as vLLM-Omni 0.30's models call them.
+
+Installed only in processes where the CPU platform is active
+(:func:`vllm_omni_mxfp4.platform.install_fixups`, before any model is built); both leave every
+call that already works to upstream's own code.
+
+1. **A strided input to an unquantized vLLM Linear.** Upstream:
+   ``vllm.model_executor.layers.utils.cpu_unquantized_gemm``, which every ``UnquantizedLinearMethod``
+   binds on a CPU platform (``dispatch_unquantized_gemm``) and which calls the oneDNN or SGL kernel
+   that ``dispatch_cpu_unquantized_gemm`` packed. Those kernels require a row-major input
+   (``torch.ops._C.onednn_mm``: ``Expected a.stride(-1) == 1``); CUDA and Ascend run the same call
+   through ``F.linear``, which takes any strides. Sana-WM's attention output gate
+   (``SanaWmSelfAttention._apply_output_gate_and_proj``, ``self.proj(gated.to(...))``) hands its
+   ``proj`` a transposed view. :func:`cpu_unquantized_gemm` makes such an input contiguous first.
+2. **Wan-style rotary embedding with a per-token table.** Upstream:
+   ``vllm_omni.diffusion.layers.rope.RotaryEmbeddingWan.forward_native``, which is what vLLM-Omni's
+   ``CustomOp`` dispatches to on an out-of-tree platform. It multiplies the (batch, tokens, heads,
+   head_dim / 2) halves of the query by ``cos``/``sin`` as given, so a (tokens, head_dim / 2) table
+   lines its tokens up with the heads axis. The CUDA path (``vllm.vllm_flash_attn`` rotary kernel)
+   and the Ascend path (MindIE-SD) take that table as per-token, shared by every head, and
+   LingBot-World (``CausalLingBotWorldTransformer3DModel._rotary_embedding``) builds exactly that
+   table. :func:`wan_rope_native` inserts the heads axis for that layout and leaves every other
+   layout (Wan2.2's tables already carry it) to upstream's method.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_UPSTREAM_ATTR = "_vllm_omni_mxfp4_upstream"
+
+
+def cpu_unquantized_gemm(
+    layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """vLLM's CPU unquantized GEMM, taking an input of any strides as ``F.linear`` on CUDA does."""
+    if x.dim() > 0 and x.stride(-1) != 1:
+        x = x.contiguous()
+    return layer.cpu_linear(x, weight, bias)
+
+
+def wan_rope_native(self: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``RotaryEmbeddingWan.forward_native`` taking a per-token (tokens, head_dim / 2) table for a
+    (batch, tokens, heads, head_dim) input, as the CUDA and Ascend kernels do."""
+    upstream = upstream_wan_rope_native()
+    if x.dim() == 4 and cos.dim() == 2 and sin.dim() == 2 and cos.shape[0] == x.shape[1]:
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return upstream(self, x, cos, sin)
+
+
+def upstream_cpu_unquantized_gemm() -> Callable[..., torch.Tensor]:
+    """The installed vLLM's own ``cpu_unquantized_gemm``, whether or not overridden."""
+    from vllm.model_executor.layers import utils
+
+    current = utils.cpu_unquantized_gemm
+    return getattr(current, _UPSTREAM_ATTR, current)
+
+
+def upstream_wan_rope_native() -> Callable[..., torch.Tensor]:
+    """The installed vLLM-Omni's own ``RotaryEmbeddingWan.forward_native``, whether or not overridden."""
+    from vllm_omni.diffusion.layers.rope import RotaryEmbeddingWan
+
+    current = RotaryEmbeddingWan.__dict__["forward_native"]
+    return getattr(current, _UPSTREAM_ATTR, current)
+
+
+def install_op_fixups() -> list[str]:
+    """Override the two upstream functions (module docstring); idempotent.
+
+    Returns the names of those this call installed (empty when both were already in place).
+    Layers built before the call keep the function they bound at construction.
+    """
+    from vllm.model_executor.layers import utils
+    from vllm_omni.diffusion.layers.rope import RotaryEmbeddingWan
+
+    installed = []
+    if getattr(utils.cpu_unquantized_gemm, _UPSTREAM_ATTR, None) is None:
+        gemm = _marked(cpu_unquantized_gemm, utils.cpu_unquantized_gemm)
+        utils.cpu_unquantized_gemm = gemm  # read by dispatch_unquantized_gemm at each Linear's construction
+        installed.append("vllm.model_executor.layers.utils.cpu_unquantized_gemm")
+    if getattr(RotaryEmbeddingWan.__dict__["forward_native"], _UPSTREAM_ATTR, None) is None:
+        rope = _marked(wan_rope_native, RotaryEmbeddingWan.__dict__["forward_native"])
+        RotaryEmbeddingWan.forward_native = rope  # bound by CustomOp.dispatch_forward at construction
+        installed.append("vllm_omni.diffusion.layers.rope.RotaryEmbeddingWan.forward_native")
+    for name in installed:
+        logger.debug("CPU platform: %s overridden (vllm_omni_mxfp4.platform.op_fixups)", name)
+    return installed
+
+
+def _marked(function: Callable[..., Any], upstream: Callable[..., Any]) -> Callable[..., Any]:
+    """A distinct wrapper of ``function`` that remembers ``upstream`` (so installing is idempotent)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    wrapper.__doc__ = function.__doc__
+    wrapper.__name__ = wrapper.__qualname__ = upstream.__name__
+    setattr(wrapper, _UPSTREAM_ATTR, upstream)
+    return wrapper
