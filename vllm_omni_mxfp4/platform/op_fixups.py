@@ -20,7 +20,9 @@ call that already works to upstream's own code.
    and the Ascend path (MindIE-SD) take that table as per-token, shared by every head, and
    LingBot-World (``CausalLingBotWorldTransformer3DModel._rotary_embedding``) builds exactly that
    table. :func:`wan_rope_native` inserts the heads axis for that layout and leaves every other
-   layout (Wan2.2's tables already carry it) to upstream's method.
+   layout (Wan2.2's tables already carry it) to upstream's method. Upstream's native method is also
+   what CUDA without ``vllm.vllm_flash_attn``, XPU and Ascend without MindIE-SD run, so LingBot-World
+   fails there the same way; this override covers the CPU platform only.
 """
 
 from __future__ import annotations
