@@ -11,7 +11,9 @@ package ``vllm_omni_mxfp4`` ships none of this.
 - :mod:`.runner`: bounded subprocesses whose process groups are reaped (used by the tests too);
 - :mod:`.report`: the table, ``results.json`` / ``results.md``, videos and the console summary;
 - :mod:`.media`, :mod:`.metrics`: frames, videos, frame strips, PSNR and cosine similarity;
-- :mod:`.tiny`: the tiny two-expert Wan2.2 pipeline and msModelSlim exports of it on CPU.
+- :mod:`.tiny`: the tiny two-expert Wan2.2 pipeline and msModelSlim exports of it on CPU;
+- :mod:`.z_image_config`: a vLLM-Omni general plugin (entry point of this distribution) that makes
+  vLLM-Omni's ``ZImagePipeline`` build its transformer from ``transformer/config.json``.
 
 Importing this package imports nothing heavy; vLLM-Omni and msModelSlim are imported when used.
 """

@@ -6,9 +6,9 @@
   layouts;
 - one module per other model family, each building the diffusers pipeline directory that
   vLLM-Omni's own pipeline class for it loads: :mod:`.qwen_image`, :mod:`.flux` (FLUX.1-dev),
-  :mod:`.flux2_klein`, :mod:`.hunyuan_video` (HunyuanVideo-1.5); they share :mod:`.cache` (content
-  keys, atomic builds) and :mod:`.parts` (offline tokenizers, seeded BF16 modules), and are run end
-  to end by :mod:`vllm_omni_mxfp4_demo.models`;
+  :mod:`.flux2_klein`, :mod:`.hunyuan_video` (HunyuanVideo-1.5), :mod:`.z_image`; they share
+  :mod:`.cache` (content keys, atomic builds) and :mod:`.parts` (offline tokenizers, seeded BF16
+  modules), and are run end to end by :mod:`vllm_omni_mxfp4_demo.models`;
 - :mod:`.msmodelslim_export`: real msModelSlim exports of a diffusers Wan2.2 pipeline, made on CPU
   (imported on its own: it needs torch, and msModelSlim when it runs).
 """
