@@ -30,6 +30,7 @@ from pathlib import Path
 
 from vllm_omni_mxfp4 import spec
 from vllm_omni_mxfp4.checkpoint.errors import CheckpointError, read_json_object
+from vllm_omni_mxfp4.checkpoint.merger import NamesProvider, derived_names
 from vllm_omni_mxfp4.checkpoint.safetensors_io import (
     CopyBytes,
     OutputTensor,
@@ -43,7 +44,7 @@ from vllm_omni_mxfp4.sources.nvfp4 import LayerSource, SourceError, detect_nvfp4
 from vllm_omni_mxfp4.sources.nvfp4.names import Renamed, bfl_module, bfl_param, is_bfl
 
 from .reader import TensorReader
-from .targets import TargetModel, target_of
+from .targets import TARGETS, TargetModel, derived_target
 from .tensors import Float32Of, Fp8ToBf16, LayerCache, Nvfp4ToBf16, RequantLayer, RequantTensor, RowsOf
 
 DROPPED_PARAMS = frozenset({"input_scale", "comfy_quant", "weight_scale_2", "weight_global_scale"})
@@ -110,13 +111,40 @@ class _Decision:
     reason: str
 
 
-def _component_config(directory: Path) -> tuple[dict, TargetModel]:
-    config = read_json_object(
+def _component_config(directory: Path) -> dict:
+    return read_json_object(
         directory / "config.json",
         if_missing="the convert needs the transformer's diffusers config.json (copy the model's "
         "transformer/config.json there)",
     )
-    return config, target_of(config.get("_class_name"), directory / "config.json")
+
+
+def _original_tensors(archive: dict[str, TensorRef], layers) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The component's tensors as its BF16 original holds them (what the model class loads): a
+    quantized layer's ``weight`` at its full shape and its ``bias``; its scales have no place there."""
+    tensors = {}
+    for key, ref in archive.items():
+        module, _, param = key.rpartition(".")
+        layer = layers.get(module)
+        if param in DROPPED_PARAMS:
+            continue
+        if layer is None or layer.action == "keep":
+            tensors[key] = (ref.dtype, tuple(ref.shape))
+        elif key == layer.tensors.get("weight"):
+            tensors[f"{module}.weight"] = ("BF16", tuple(layer.shape or ref.shape))
+        elif key == layer.tensors.get("bias"):
+            tensors[key] = (ref.dtype, tuple(ref.shape))
+    return tensors
+
+
+def _target(
+    directory: Path, config: dict, archive: dict[str, TensorRef], checkpoint, provider
+) -> TargetModel:
+    """The fixed table of a class :mod:`.targets` knows, else the one derived from vLLM-Omni's class."""
+    fixed = TARGETS.get(config.get("_class_name"))
+    if fixed is not None:
+        return fixed
+    return derived_target(directory, config, _original_tensors(archive, checkpoint.layers), provider)
 
 
 def _archive(directory: Path) -> dict[str, TensorRef]:
@@ -194,8 +222,11 @@ def _require_smooth(decisions: list[_Decision]) -> bool:
     return bool(quantized) and all("mul_scale" in d.source.tensors for d in quantized)
 
 
-def plan_component(directory: Path, name: str, rule: str, max_shard_size: int | None) -> ComponentPlan:
-    """Plan one NVFP4 transformer directory; raises :class:`CheckpointError` naming what is refused."""
+def plan_component(
+    directory: Path, name: str, rule: str, max_shard_size: int | None, provider: NamesProvider = derived_names
+) -> ComponentPlan:
+    """Plan one NVFP4 transformer directory; raises :class:`CheckpointError` naming what is refused.
+    ``provider`` gives the runtime names of a class :mod:`.targets` has no table for."""
     try:
         checkpoint = detect_nvfp4(directory)
     except SourceError as exc:
@@ -205,8 +236,9 @@ def plan_component(directory: Path, name: str, rule: str, max_shard_size: int | 
             f"{directory}: nothing declares NVFP4 (no NVFP4 quantization_config, hf_quant_config.json or "
             "Comfy marker); convert reads NVFP4 checkpoints only"
         )
-    config, target = _component_config(directory)
+    config = _component_config(directory)
     archive = _archive(directory)
+    target = _target(directory, config, archive, checkpoint, provider)
     bfl = is_bfl(archive)
     rename = bfl_module if bfl else (lambda module: (Renamed(module),))
     try:

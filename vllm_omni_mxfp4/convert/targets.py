@@ -3,18 +3,24 @@
 An offline MXFP4 checkpoint must match what the runtime builds: a Linear that vLLM-Omni creates as
 a plain ``nn.Linear`` (embedders, ``proj_out``, modulations) only takes a BF16 weight, and a fused
 runtime Linear (Wan's ``attn1.to_qkv``, FLUX.2's ``attn.to_qkv`` / ``attn.add_kv_proj``) is all
-MXFP4 or all BF16. ``ignored_layers`` holds runtime names. The convert refuses a transformer class
-it has no table for rather than guess.
+MXFP4 or all BF16. ``ignored_layers`` holds runtime names.
+
+Wan2.2 and FLUX.2 (whose Comfy/BFL files are renamed to diffusers names first) have the fixed
+tables below, which need no vLLM-Omni at convert time (tests/nvfp4/test_convert_models.py checks
+them against the class). Every other class gets its answers from vLLM-Omni's class itself, as the
+merge does (:func:`derived_target`: :func:`vllm_omni_mxfp4.models.derive_names` builds it on the
+meta device and traces its ``load_weights``), and a tensor that class does not load is refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from vllm_omni_mxfp4.checkpoint.errors import CheckpointError
-from vllm_omni_mxfp4.checkpoint.names import runtime_layer_name
+from vllm_omni_mxfp4.checkpoint.errors import CheckpointError, read_json_object
+from vllm_omni_mxfp4.checkpoint.names import DIFFUSERS_EXPORT_NAMES, ModelNames, runtime_layer_name
 from vllm_omni_mxfp4.sources.nvfp4.names import flux2_quantizable, flux2_runtime_name
 
 
@@ -48,11 +54,38 @@ TARGETS = {
 }
 
 
-def target_of(class_name: object, config_path: Path) -> TargetModel:
-    """The target of a config's ``_class_name``; a :class:`CheckpointError` naming the file otherwise."""
-    if class_name not in TARGETS:
+def _pipeline_class(directory: Path) -> str | None:
+    """The diffusers pipeline class of the pipeline holding component ``directory``, if any (it tells
+    :func:`~vllm_omni_mxfp4.models.derive_names` which vLLM-Omni model folder to look in first)."""
+    index = directory.absolute().parent / "model_index.json"
+    if not index.is_file():
+        return None
+    name = read_json_object(index, if_missing="").get("_class_name")
+    return name if isinstance(name, str) else None
+
+
+def derived_target(
+    directory: Path,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+    provider: Callable[..., dict],
+) -> TargetModel:
+    """The target of ``config``'s ``_class_name`` from vLLM-Omni's class: ``tensors`` are the
+    component's tensors as its BF16 original would hold them (name -> safetensors dtype, shape),
+    ``provider`` is :func:`vllm_omni_mxfp4.checkpoint.merger.derived_names` or a stand-in. Every
+    tensor must be one the class loads; a :class:`CheckpointError` naming the directory otherwise."""
+    class_name = str(config.get("_class_name"))
+    try:
+        data = provider(_pipeline_class(directory), class_name, dict(config), dict(tensors))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # the provider runs vLLM-Omni's model code
         raise CheckpointError(
-            f"{config_path}: _class_name {class_name!r} is not a transformer the convert knows "
-            f"({', '.join(TARGETS)}); it cannot tell which Linears vLLM-Omni quantizes or fuses"
-        )
-    return TARGETS[class_name]
+            f"{directory}: cannot tell which Linears vLLM-Omni's {class_name!r} (config.json _class_name) "
+            f"quantizes or fuses ({type(exc).__name__}: {exc}); convert needs the vLLM-Omni version that "
+            "will serve the model"
+        ) from exc
+    names = ModelNames.from_dict(data, DIFFUSERS_EXPORT_NAMES)
+    for name in tensors:
+        names.check_loaded(name, str(directory))
+    return TargetModel(names.model_class, names.is_runtime_quantizable, names.runtime_layer_name)
