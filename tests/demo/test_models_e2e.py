@@ -13,8 +13,7 @@ platform with a margin (see :data:`BARS`).
 
 from __future__ import annotations
 
-import ast
-import inspect
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 from tests.platform.omni_procs import omni_installed, subprocess_env
 from vllm_omni_mxfp4_demo import models
 from vllm_omni_mxfp4_demo.modes import MODES
+from vllm_omni_mxfp4_demo.runner import RunFailed
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "models_e2e.json"
@@ -47,26 +47,8 @@ def test_every_family_is_runnable_or_says_why():
         "hunyuan_video_15",
         "z_image",
     }
-    for family in models.FAMILIES:
-        assert (family.build is None) == (family.unsupported is not None), family.key
-
-
-@pytest.mark.omni
-@pytest.mark.skipif(not omni_installed(), reason="vllm / vllm-omni not installed")
-def test_z_image_reason_still_holds():
-    """vLLM-Omni's ZImagePipeline still builds its transformer from default arguments only; when it
-    starts passing the checkpoint's config, build a tiny Z-Image pipeline instead of the reason."""
-    from vllm_omni.diffusion.models.z_image import pipeline_z_image
-
-    tree = ast.parse(inspect.getsource(pipeline_z_image.ZImagePipeline.__init__).lstrip())
-    calls = [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "ZImageTransformer2DModel"
-    ]
-    assert len(calls) == 1
-    assert not calls[0].args and [k.arg for k in calls[0].keywords] == ["quant_config"]
-    assert "ZImageTransformer2DModel" in models.Z_IMAGE_UNSUPPORTED
+    assert [f.key for f in models.FAMILIES if f.unsupported is not None] == ["z_image"]
+    assert all(callable(family.build) for family in models.FAMILIES)
 
 
 def test_input_image_is_deterministic(tmp_path):
@@ -122,7 +104,7 @@ def test_results_table_covers_every_family():
     assert list(table["families"]) == list(models.FAMILY_KEYS)
     for family in models.FAMILIES:
         record = table["families"][family.key]
-        if family.build is None:
+        if family.unsupported is not None:
             assert record["unsupported"] == family.unsupported
             continue
         assert list(record["modes"]) == ["bf16", "mxfp4", "dualscale"], family.key
@@ -172,3 +154,25 @@ def test_family_end_to_end(key, tmp_path):
     # quantization changed the output (a silent BF16 fallback would give inf), and not by much
     assert isinstance(quant["psnr_db"], float) and psnr_bar <= quant["psnr_db"], quant
     assert cosine_bar <= quant["cosine"] < 1.0, quant
+
+
+@pytest.mark.slow
+@pytest.mark.omni
+@pytest.mark.skipif(not omni_installed(), reason="vllm / vllm-omni not installed")
+def test_z_image_runs_in_bf16_and_its_reason_still_holds(tmp_path):
+    """The tiny Z-Image pipeline generates through Omni(...) in BF16 (so the demo's general plugin
+    builds its transformer from config.json in the engine's worker process), and online quantization
+    still fails at load on the text encoder's Linears (:data:`~vllm_omni_mxfp4_demo.models.Z_IMAGE_UNSUPPORTED`).
+    When it stops failing, drop the family's reason: it then runs like the others."""
+    family = dataclasses.replace(FAMILY["z_image"], unsupported=None)
+    modes = [MODE["bf16"]]
+    record = models.run_family(family, tmp_path, modes, steps=2, timeout=600, env=subprocess_env())
+    # the transformer of transformer/config.json: 3 blocks x 4 Linears + 8 others, all BF16
+    assert record["modes"]["bf16"]["linears"] == {"transformer": {"bf16": 20}}
+    assert record["pipeline"] == "ZImagePipeline"
+    with pytest.raises(
+        RunFailed, match=r"model\.layers\.0\.self_attn\.q_proj\.weight: online mxfp4_dualscale"
+    ):
+        models.run_family(
+            family, tmp_path / "q", [MODE["dualscale"]], steps=2, timeout=600, env=subprocess_env()
+        )
