@@ -632,9 +632,9 @@ MEASURED: dict[str, dict] = {
         "unquantized": [],
         "fused": ["blocks.*.self_attn.qkv"],
         "packed": {"qkv": ["q", "k", "v"]},
-        "cosine": {},
-        "contribution": {},
-        "max_abs": {},
+        "cosine": {"mxfp4": 0.98225, "mxfp4_dualscale": 0.98313},
+        "contribution": {"mxfp4": 0.96687, "mxfp4_dualscale": 0.96846},
+        "max_abs": {"mxfp4": 0.88965, "mxfp4_dualscale": 0.95312},
     },
     "minimax_h3.MiniMaxH3DiTModel": {
         "quantized": 16,
@@ -654,9 +654,9 @@ MEASURED: dict[str, dict] = {
             "token_refiner.blocks.*.mlp.fc1",
         ],
         "packed": {"attn.qkv_proj": ["attn.to_q", "attn.to_k", "attn.to_v"]},
-        "cosine": {},
-        "contribution": {},
-        "max_abs": {},
+        "cosine": {"mxfp4": 0.99585, "mxfp4_dualscale": 0.9959},
+        "contribution": {"mxfp4": 0.96352, "mxfp4_dualscale": 0.96278},
+        "max_abs": {"mxfp4": 0.32882, "mxfp4_dualscale": 0.31369},
     },
     "sana_wm.SanaWmTransformer3DModel": {
         "quantized": 32,
@@ -703,17 +703,28 @@ NOTES: dict[str, str] = {
     "`nn.Linear`, so nothing is quantized (built and loaded with both methods; forward not run)",
     "wan2_2.WanVACETransformer3DModel": "a subclass of `WanTransformer3DModel`; its `vace_blocks` "
     "quantize like the main blocks",
-    "lingbot_world.CausalLingBotWorldTransformer3DModel": "forward not run: with the KV cache its "
-    "pipeline allocates (`allocate_lingbot_cache`) the tiny BF16 build's forward fails on the CPU in "
-    "vLLM-Omni's native rotary embedding (query and cos/sin tables in different layouts); built and "
-    "loaded with both methods (every quantized Linear prepared)",
-    "minimax_h3.MiniMaxH3DiTModel": "forward not run: it takes the packed serving contract "
-    "(`packed_seq_params`, position and token-tag tensors its pipeline builds); built and loaded with "
-    "both methods (every quantized Linear prepared)",
-    "sana_wm.SanaWmTransformer3DModel": "forward not run: the tiny BF16 build's forward fails on "
-    "vLLM's CPU GEMM in its timestep embedder (input dtype), before any quantized layer; built and "
-    "loaded with both methods (every quantized Linear prepared); every Linear quantizes, "
-    "embedders included",
+    "lingbot_world.CausalLingBotWorldTransformer3DModel": "forward: one DMD probe step of the first "
+    "causal block with the KV cache its pipeline allocates (`allocate_lingbot_cache`). On the CPU "
+    "platform it needs the platform's rotary fix-up (`platform/op_fixups.py`): vLLM-Omni's native "
+    "`RotaryEmbeddingWan.forward_native` (`diffusion/layers/rope.py`) lines LingBot's per-token "
+    "(tokens, head_dim / 2) table up with the heads axis, where the CUDA (`vllm_flash_attn`) and Ascend "
+    "(MindIE-SD) kernels broadcast it over heads; upstream's native path fails the same way on XPU, on "
+    "CUDA without `vllm_flash_attn` and on Ascend without MindIE-SD. Output cosine 0.982-0.983 on the "
+    "tiny build, below most models' 0.99 (its quantized-contribution cosine, 0.967-0.968, is in their band)",
+    "minimax_h3.MiniMaxH3DiTModel": "forward: one text-to-video-and-audio step packed by its pipeline's "
+    "own `minimax_h3_packed_sequence` and `MiniMaxH3DenoiseBranch.forward_kwargs` (the tiny config keeps "
+    "the released 24-channel video and 32-channel audio latents, the row widths the denoise loop packs); "
+    "`rope.inv_freq`, which its `load_weights` computes from `rope_theta`, set as it computes it; "
+    "compared: the video and audio rows",
+    "sana_wm.SanaWmTransformer3DModel": "quantized forward not run: two upstream lines cast a Linear's "
+    "input to that Linear's weight dtype, which for a quantized Linear is its packed FP4 storage (uint8) "
+    "on every device: `SanaWmTimestepEmbedder.forward` "
+    "(`self.mlp[0](emb.to(dtype=self.mlp[0].weight.dtype))`, `t_embedder.mlp.0`) and "
+    "`SanaWmSelfAttention._apply_output_gate_and_proj` (`self.proj(gated.to(self.proj.weight.dtype))`, "
+    "`blocks.*.attn.proj`). The BF16 forward runs on the CPU platform (with its strided-GEMM fix-up), and "
+    "with those two Linears in `ignored_layers` the quantized one runs too "
+    "(tests/models/test_upstream_forward_gaps.py); built and loaded with both methods (every quantized "
+    "Linear prepared); every Linear quantizes, embedders included",
 }
 
 
@@ -852,7 +863,8 @@ def render(transformers: list[Transformer] | None = None) -> str:
         "contribute (the output minus the BF16 output with their weights zeroed); tiny random models",
         "pass most of their output through the residual path, so the output cosine alone would hide a",
         "broken quantization (a Q/K/V shard-order error leaves HunyuanVideo-1.5's output at 0.9997 and",
-        "its contribution at 0.0). A model whose forward needs state its pipeline builds is built and",
+        "its contribution at 0.0). The inputs are built as each model's pipeline builds them (a packed",
+        "sequence, a KV cache, camera tensors). A model whose quantized forward cannot run is built and",
         "loaded with both methods only (every quantized Linear prepared; the notes say why). Fused",
         "Linears: runtime names, and the checkpoint names the model's own `load_weights` stacks into",
         "them (its `stacked_params_mapping`, else its `packed_modules_mapping`). A Linear packed FP4",

@@ -70,6 +70,8 @@ class Case:
     config_in_od_config_only: bool = False
     # more constructor keywords, made at build time (objects of vLLM-Omni's own config classes)
     extra: Callable[[], dict] | None = None
+    # fills what the model's own load_weights computes rather than loads (after construction)
+    computed_buffers: Callable[[torch.nn.Module], None] | None = None
 
     @property
     def cls(self):
@@ -100,9 +102,12 @@ def _fill(name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def build(env, case: Case, spec=None):
-    """``case``'s transformer, built as vLLM-Omni's pipeline builds it (bf16 default dtype)."""
+    """``case``'s transformer, built as vLLM-Omni's pipeline builds it (bf16 default dtype), with the CPU
+    platform's op fix-ups installed first, as its general plugin installs them in an engine process."""
     from vllm_omni_mxfp4.omni import build_quant_config
+    from vllm_omni_mxfp4.platform.op_fixups import install_op_fixups
 
+    install_op_fixups()
     kwargs = {} if case.config_in_od_config_only else dict(case.config)
     kwargs["quant_config"] = build_quant_config(spec) if spec is not None else None
     kwargs.update(case.extra() if case.extra is not None else {})
@@ -116,9 +121,13 @@ def build(env, case: Case, spec=None):
     torch.set_default_dtype(torch.bfloat16)
     try:
         with env.context():
-            return case.cls(**kwargs)
+            model = case.cls(**kwargs)
     finally:
         torch.set_default_dtype(old)
+    if case.computed_buffers is not None:
+        with torch.no_grad():
+            case.computed_buffers(model)
+    return model
 
 
 def randomize(model) -> None:
@@ -141,11 +150,15 @@ def load_from(env, model, source: dict[str, torch.Tensor]) -> None:
 
 
 def finish(env, model) -> None:
-    """vLLM-Omni's post-load step (``process_weights_after_loading`` of every layer)."""
+    """vLLM-Omni's post-load step (``process_weights_after_loading`` of every layer), under the bf16
+    default dtype the loader runs it with (``DiffusersPipelineLoader.load_model``:
+    ``set_default_torch_dtype(od_config.dtype)``): vLLM's CPU Linears replace their packed weight with
+    an empty tensor of the default dtype, which models that cast their input to ``weight.dtype`` read."""
     from vllm.config import LoadConfig
+    from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
-    with env.context(), torch.no_grad():
+    with env.context(), torch.no_grad(), set_default_torch_dtype(torch.bfloat16):
         DiffusersPipelineLoader(LoadConfig(), env.od_config)._process_weights_after_loading(
             model, torch.device("cpu")
         )
@@ -710,6 +723,117 @@ GLM_IMAGE = Case(
 )
 
 
+def _lingbot_world_inputs() -> dict:
+    """One DMD probe step of the first causal block, as ``LingBotDMDBlockRunner.probe_step`` calls the
+    transformer: a cache from ``allocate_lingbot_cache`` with the geometry ``allocate_cache`` gives this
+    config (18-frame window x 4 x 4 post-patch tokens, 4 heads of 128), the folded camera grid, a fresh
+    camera-modulation cache, the cache not committed."""
+    from vllm_omni.diffusion.models.lingbot_world.transformer import (
+        CameraModulationCache,
+        allocate_lingbot_cache,
+    )
+
+    cache = allocate_lingbot_cache(
+        batch_size=1,
+        num_layers=2,
+        max_tokens=18 * 4 * 4,
+        num_local_heads=4,
+        head_dim=128,
+        device=torch.device("cpu"),
+        dtype=torch.bfloat16,
+    )
+    return dict(
+        hidden_states=randn(1, 16, 3, 8, 8, seed=1),  # num_frames_per_block (3) latent frames
+        timestep=torch.tensor([500.0]),
+        encoder_hidden_states=randn(1, 16, 32, seed=2),
+        camera_hidden_states=randn(1, 6 * 8 * 8, 3, 8, 8, seed=3),
+        cache=cache,
+        start_frame=0,
+        update_cache=False,
+        camera_modulation_cache=CameraModulationCache(),
+    )
+
+
+LINGBOT_WORLD = Case(
+    "lingbot_world.CausalLingBotWorldTransformer3DModel",
+    "vllm_omni.diffusion.models.lingbot_world.transformer",
+    dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=1024,
+        num_layers=2,
+        rope_max_seq_len=64,
+    ),
+    _lingbot_world_inputs,
+    output=lambda out: out,
+)
+
+
+def _minimax_h3_inputs() -> dict:
+    """One text-to-video-and-audio step, packed as the pipeline packs it: ``minimax_h3_packed_sequence``
+    (8 text rows, one 4 x 4 latent frame, 4 audio steps, padded to 64 rows) and the step's keyword
+    arguments from ``MiniMaxH3DenoiseBranch.forward_kwargs`` (rows of 96 video / 32 audio values)."""
+    from vllm_omni.diffusion.models.minimax_h3.denoise_loop import MiniMaxH3DenoiseBranch
+    from vllm_omni.diffusion.models.minimax_h3.packed_sequence import minimax_h3_packed_sequence
+
+    packed = minimax_h3_packed_sequence(
+        text_len=8, latent_t=1, latent_h=4, latent_w=4, audio_t=4, include_keyframe_cond=False
+    )
+    branch = MiniMaxH3DenoiseBranch(
+        packed=packed,
+        text_embeddings=randn(8, 64, seed=2),
+        token_tags=packed["token_tags"].clone(),
+        device=torch.device("cpu"),
+    )
+    return branch.forward_kwargs(
+        video_rows=randn(len(branch.img_pos), 96, seed=1).float(),
+        audio_rows=randn(len(branch.audio_pos), 32, seed=3).float(),
+        t_video=0.5,
+        t_audio=0.5,
+        imgvid_cond_timestep=0.999,  # MINIMAX_H3_IMGVID_COND_TIMESTEP
+        audio_ref_cond_timestep=1.0,  # MINIMAX_H3_AUDIO_REF_COND_TIMESTEP
+    )
+
+
+def _minimax_h3_rope(model) -> None:
+    """``rope.inv_freq``, built empty: its ``load_weights`` computes it from ``rope_theta`` (default
+    10000) for a Diffusers checkpoint, ``theta ** -(arange(0, 2n, 2) / 2n)`` for n = rope_inv_freq_len."""
+    n = model.rope.inv_freq.numel()
+    model.rope.inv_freq.copy_(1.0 / 10000.0 ** (torch.arange(0, 2 * n, 2, dtype=torch.float32) / (2 * n)))
+
+
+MINIMAX_H3 = Case(
+    "minimax_h3.MiniMaxH3DiTModel",
+    "vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer",
+    dict(
+        num_layers=2,
+        token_refiner_num_layers=1,
+        hidden_size=512,
+        num_attention_heads=4,
+        attention_head_dim=128,
+        ffn_hidden_size=1024,
+        # the released widths: the denoise loop packs rows of 24 x (1 x 2 x 2) video and 32 audio values
+        latents_dim=24,
+        audio_latents_dim=32,
+        text_dim=64,
+        timestep_input_dim=64,
+        time_embed_hidden_size=512,
+        time_embed_dim=256,
+        adaln_out_features=18 * 512,
+        final_adaln_out_features=2 * 512,
+    ),
+    _minimax_h3_inputs,
+    output=lambda out: torch.cat([out[0].flatten(), out[1].flatten()]),  # (video rows, audio rows)
+    config_in_od_config_only=True,
+    computed_buffers=_minimax_h3_rope,
+)
+
+
 # Built and loaded with both methods, forward not run (tools/model_table.py's NOTES say why).
 
 HIDREAM_IMAGE = Case(
@@ -732,47 +856,6 @@ HIDREAM_IMAGE = Case(
     None,
 )
 
-LINGBOT_WORLD = Case(
-    "lingbot_world.CausalLingBotWorldTransformer3DModel",
-    "vllm_omni.diffusion.models.lingbot_world.transformer",
-    dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=4,
-        attention_head_dim=128,
-        in_channels=16,
-        out_channels=16,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=1024,
-        num_layers=2,
-        rope_max_seq_len=64,
-    ),
-    None,
-)
-
-MINIMAX_H3 = Case(
-    "minimax_h3.MiniMaxH3DiTModel",
-    "vllm_omni.diffusion.models.minimax_h3.minimax_h3_transformer",
-    dict(
-        num_layers=2,
-        token_refiner_num_layers=1,
-        hidden_size=512,
-        num_attention_heads=4,
-        attention_head_dim=128,
-        ffn_hidden_size=1024,
-        latents_dim=16,
-        audio_latents_dim=16,
-        text_dim=64,
-        timestep_input_dim=64,
-        time_embed_hidden_size=512,
-        time_embed_dim=256,
-        adaln_out_features=18 * 512,
-        final_adaln_out_features=2 * 512,
-    ),
-    None,
-    config_in_od_config_only=True,
-)
-
 
 def _sana_wm_config() -> dict:
     from vllm_omni.diffusion.models.sana_wm.config import SanaWmConfig
@@ -790,6 +873,30 @@ SANA_WM = Case(
     None,
     extra=_sana_wm_config,
 )
+
+
+def sana_wm_inputs() -> dict:
+    """One denoise step of Sana-WM's pipeline (``SanaWmPipeline`` sampling loop): 9 frames at 128 x 128
+    (2 latent frames of 4 x 4), the per-frame fp32 timestep (1, 1, F) with the conditioning frame 0 at
+    0, an all-ones prompt mask passed as None, and the camera tensors of ``build_plucker_condition``
+    for a walk-forward action, in bf16."""
+    from vllm_omni.diffusion.models.sana_wm.camera_control import (
+        SanaWmCameraCondition,
+        build_plucker_condition,
+    )
+
+    camera = build_plucker_condition(SanaWmCameraCondition(action="w-9", num_frames=9, height=128, width=128))
+    timestep = torch.full((1, 1, 2), 500.0)
+    timestep[:, :, 0] = 0.0
+    return dict(
+        hidden_states=randn(1, 16, 2, 4, 4, seed=1),
+        timestep=timestep,
+        encoder_hidden_states=randn(1, 8, 64, seed=2),
+        encoder_attention_mask=None,
+        plucker=camera["chunk_plucker"].to(torch.bfloat16),
+        raymap=camera["raymap"].to(torch.bfloat16),
+        spatial_raymap=camera["spatial_raymap"].to(torch.bfloat16),
+    )
 
 
 def _ids(n: int, axes: int, *, image: bool) -> torch.Tensor:
