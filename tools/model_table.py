@@ -83,7 +83,8 @@ VLLM_LINEARS = frozenset(
 # ``load_weights`` stacks them (``tests.support.models.loader_mapping``); ``cosine``: of the output vs
 # BF16, per method (empty: forward not run, see NOTES); ``contribution``: cosine of what
 # the quantized Linears contribute (output minus the BF16 output with their weights zeroed), the
-# measure that a broken quantization cannot hide behind a dominant residual path.
+# measure that a broken quantization cannot hide behind a dominant residual path (empty when
+# nothing quantizes).
 MEASURED: dict[str, dict] = {
     "wan2_2.WanTransformer3DModel": {
         "quantized": 16,
@@ -615,9 +616,9 @@ MEASURED: dict[str, dict] = {
             "to_qkv_t": ["to_q_t", "to_k_t", "to_v_t"],
             "add_kv_proj": ["add_q_proj", "add_k_proj", "add_v_proj"],
         },
-        "cosine": {},
+        "cosine": {"mxfp4": 1.0, "mxfp4_dualscale": 1.0},
         "contribution": {},
-        "max_abs": {},
+        "max_abs": {"mxfp4": 0.0, "mxfp4_dualscale": 0.0},
     },
     "lingbot_world.CausalLingBotWorldTransformer3DModel": {
         "quantized": 22,
@@ -700,7 +701,9 @@ NOTES: dict[str, str] = {
     "(measured); no published recipe names layers to keep in BF16",
     "hidream_image.HiDreamImageTransformer2DModel": "takes `quant_config` but passes it to none of "
     "its blocks: its attention Linears are vLLM Linears built without it and its MoE experts plain "
-    "`nn.Linear`, so nothing is quantized (built and loaded with both methods; forward not run)",
+    "`nn.Linear`, so nothing is quantized: with either method the forward's output is the BF16 "
+    "build's, bit for bit (inputs as its pipeline passes them: T5, per-layer Llama and pooled "
+    "embeddings)",
     "wan2_2.WanVACETransformer3DModel": "a subclass of `WanTransformer3DModel`; its `vace_blocks` "
     "quantize like the main blocks",
     "lingbot_world.CausalLingBotWorldTransformer3DModel": "forward: one DMD probe step of the first "
@@ -832,8 +835,9 @@ def _measured_cells(t: Transformer) -> list[str]:
         return ["not measured", "", "", "", "", note]
     packed = "; ".join(f"`{k}` <- {', '.join(f'`{c}`' for c in v)}" for k, v in m["packed"].items())
     fused = _names(m["fused"]) + (f"<br>({packed})" if packed else "")
+    contribution = {k: f" ({v:.3f})" for k, v in m["contribution"].items()}  # none when nothing quantizes
     cosine = "<br>".join(
-        f"{method} {value:.5f} ({m['contribution'][method]:.3f}), max {m['max_abs'][method]:.3g}"
+        f"{method} {value:.5f}{contribution.get(method, '')}, max {m['max_abs'][method]:.3g}"
         for method, value in m["cosine"].items()
     )
     cosine = cosine or "forward not run (notes)"

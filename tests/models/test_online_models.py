@@ -77,6 +77,8 @@ def test_online_methods_track_bf16(measured, key):
         assert not m.unprepared[method], f"{key} {method}: loaded but not prepared: {m.unprepared[method]}"
         if key in QUANTIZES_NOTHING:
             assert not m.quantized[method] and m.unquantized, (key, m.quantized[method], m.unquantized)
+            # the method's config changes nothing: the same output, bit for bit
+            assert m.max_abs[method] == 0.0 and not m.contribution, (key, method, m.max_abs, m.contribution)
             continue
         assert m.quantized[method], f"{key}: {method} quantized no Linear"
         if CASES[key].inputs is None:

@@ -294,6 +294,8 @@ def measure(env, case: Case, methods=tuple(SPECS)) -> Measurement:
         got = forward(env, case, model)
         out.cosine[method] = cosine(got, expect)
         out.max_abs[method] = (got - expect).abs().max().item()
+        if not out.quantized[method]:
+            continue  # nothing quantized contributes: no contribution to compare
         if method == methods[0]:
             base = _without(env, case, weights, out.quantized[method])
         out.contribution[method] = cosine(got - base, expect - base)
@@ -834,7 +836,19 @@ MINIMAX_H3 = Case(
 )
 
 
-# Built and loaded with both methods, forward not run (tools/model_table.py's NOTES say why).
+def _hidream_image_inputs() -> dict:
+    """As the pipeline calls it: latents (B, C, H, W), one timestep per sample, T5 embeddings, the Llama
+    hidden states stacked per layer (layers, B, tokens, dim; ``llama_layers`` picks from them) and the
+    pooled CLIP embeddings."""
+    return dict(
+        hidden_states=randn(1, 16, 8, 8, seed=1),
+        timesteps=torch.tensor([500.0]),
+        encoder_hidden_states_t5=randn(1, 8, 64, seed=2),
+        encoder_hidden_states_llama3=randn(1, 1, 8, 64, seed=3),
+        pooled_embeds=randn(1, 64, seed=4),
+        return_dict=False,
+    )
+
 
 HIDREAM_IMAGE = Case(
     "hidream_image.HiDreamImageTransformer2DModel",
@@ -850,11 +864,18 @@ HIDREAM_IMAGE = Case(
         text_emb_dim=64,
         num_routed_experts=2,
         num_activated_experts=1,
-        axes_dims_rope=(32, 32),
+        axes_dims_rope=(
+            32,
+            16,
+            16,
+        ),  # one per position axis (3), summing to the head dim (released: 64, 32, 32)
         llama_layers=[0],
     ),
-    None,
+    _hidream_image_inputs,
 )
+
+
+# Built and loaded with both methods, forward not run (tools/model_table.py's NOTES say why).
 
 
 def _sana_wm_config() -> dict:
