@@ -5,16 +5,18 @@ expected MXFP4 bytes from the independent reference, and the Wan expert built th
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tests.nvfp4 import reference
-from vllm_omni_mxfp4.sources.nvfp4 import TensorInfo
+from vllm_omni_mxfp4.formats.nvfp4 import dequantize_nvfp4
+from vllm_omni_mxfp4.sources.nvfp4 import TensorInfo, detect_nvfp4, load_nvfp4_weight
 
 SAFETENSORS_DTYPES = {
     torch.uint8: "U8",
@@ -166,8 +168,6 @@ def nvfp4_pipeline(src: Path, dst: Path) -> Path:
     """A copy of the diffusers Wan2.2 pipeline ``src`` whose experts are NVFP4 checkpoints written by
     compressed-tensors itself (``producers/compressed.py``): every 2-D weight of the blocks packed,
     the condition embedders and ``proj_out`` left in BF16 and listed in ``ignore``."""
-    import shutil
-
     from safetensors.torch import load_file
 
     from tests.nvfp4.producers.compressed import ct_config, ct_layer
@@ -186,4 +186,44 @@ def nvfp4_pipeline(src: Path, dst: Path) -> Path:
         cfg = json.loads((dst / sub / "config.json").read_text())
         cfg["quantization_config"] = ct_config(["re:condition_embedder.*", "proj_out"])
         (dst / sub / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def pack_component(directory: Path) -> list[str]:
+    """Pack every 2-D weight of the component in place with compressed-tensors (its own NVFP4
+    packing and config); the packed layer names."""
+    from tests.nvfp4.producers.compressed import ct_config, ct_layer
+
+    [path] = sorted(directory.glob("*.safetensors"))
+    tensors = load_file(str(path))
+    packed = sorted(
+        k[: -len(".weight")] for k, v in tensors.items() if k.endswith(".weight") and v.dim() == 2
+    )
+    for layer in packed:
+        tensors.update({f"{layer}.{k}": v for k, v in ct_layer(tensors.pop(f"{layer}.weight")).items()})
+    save_file(tensors, str(path), {"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = ct_config([])
+    (directory / "config.json").write_text(json.dumps(config))
+    return packed
+
+
+def dequantized_copy(nvfp4: Path, dst: Path) -> Path:
+    """A BF16 pipeline whose transformer holds the exact float32 dequant of each NVFP4 layer, rounded
+    once to BF16 (the reference the converted checkpoint is compared with)."""
+    shutil.copytree(nvfp4, dst)
+    sub = dst / "transformer"
+    [path] = sorted(sub.glob("*.safetensors"))
+    stored = load_file(str(path))
+    checkpoint = detect_nvfp4(sub)
+    packed = {name: layer for name, layer in checkpoint.layers.items() if layer.action == "requantize"}
+    out = {k: v for k, v in stored.items() if k.rpartition(".")[0] not in packed}
+    for name, layer in packed.items():
+        weight = load_nvfp4_weight(layer, lambda key: stored[key])
+        out[f"{name}.weight"] = dequantize_nvfp4(weight).bfloat16()
+        out.update({f"{name}.bias": stored[layer.tensors["bias"]]} if "bias" in layer.tensors else {})
+    save_file(out, str(path), {"format": "pt"})
+    config = json.loads((sub / "config.json").read_text())
+    del config["quantization_config"]
+    (sub / "config.json").write_text(json.dumps(config))
     return dst

@@ -17,54 +17,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.nvfp4.checkpoints import MODELOPT_FIXTURES
-from tests.nvfp4.producers.compressed import ct_config, ct_layer
+from tests.nvfp4.checkpoints import MODELOPT_FIXTURES, dequantized_copy, pack_component
 from tests.support import flux1_export, msmodelslim_sd
 from vllm_omni_mxfp4.checkpoint import CheckpointError
 from vllm_omni_mxfp4.checkpoint.merger import derived_names
 from vllm_omni_mxfp4.checkpoint.names import DIFFUSERS_EXPORT_NAMES, ModelNames
 from vllm_omni_mxfp4.convert import convert
 from vllm_omni_mxfp4.convert.targets import TARGETS
-from vllm_omni_mxfp4.formats.nvfp4 import dequantize_nvfp4
-from vllm_omni_mxfp4.sources.nvfp4 import detect_nvfp4, load_nvfp4_weight
-
-
-def pack_component(directory: Path) -> list[str]:
-    """Pack every 2-D weight of the component in place with compressed-tensors (its own NVFP4
-    packing and config); the packed layer names."""
-    [path] = sorted(directory.glob("*.safetensors"))
-    tensors = load_file(str(path))
-    packed = sorted(
-        k[: -len(".weight")] for k, v in tensors.items() if k.endswith(".weight") and v.dim() == 2
-    )
-    for layer in packed:
-        tensors.update({f"{layer}.{k}": v for k, v in ct_layer(tensors.pop(f"{layer}.weight")).items()})
-    save_file(tensors, str(path), {"format": "pt"})
-    config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = ct_config([])
-    (directory / "config.json").write_text(json.dumps(config))
-    return packed
-
-
-def dequantized_copy(nvfp4: Path, dst: Path) -> Path:
-    """A BF16 pipeline whose transformer holds the exact float32 dequant of each NVFP4 layer, rounded
-    once to BF16 (the reference the converted checkpoint is compared with)."""
-    shutil.copytree(nvfp4, dst)
-    sub = dst / "transformer"
-    [path] = sorted(sub.glob("*.safetensors"))
-    stored = load_file(str(path))
-    checkpoint = detect_nvfp4(sub)
-    packed = {name: layer for name, layer in checkpoint.layers.items() if layer.action == "requantize"}
-    out = {k: v for k, v in stored.items() if k.rpartition(".")[0] not in packed}
-    for name, layer in packed.items():
-        weight = load_nvfp4_weight(layer, lambda key: stored[key])
-        out[f"{name}.weight"] = dequantize_nvfp4(weight).bfloat16()
-        out.update({f"{name}.bias": stored[layer.tensors["bias"]]} if "bias" in layer.tensors else {})
-    save_file(out, str(path), {"format": "pt"})
-    config = json.loads((sub / "config.json").read_text())
-    del config["quantization_config"]
-    (sub / "config.json").write_text(json.dumps(config))
-    return dst
+from vllm_omni_mxfp4.sources.nvfp4 import detect_nvfp4
 
 
 @pytest.fixture(scope="module")

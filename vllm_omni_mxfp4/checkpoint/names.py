@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from vllm_omni_mxfp4 import spec
 from vllm_omni_mxfp4.config.keys import layer_order
@@ -266,14 +269,14 @@ class ModelNames:
             )
         return cls(str(data["model_class"]), export_names, dict(data["tensors"]), dict(data["linears"]))
 
-    def _runtime_module(self, layer: str) -> str | None:
-        """The runtime module the model loads diffusers module ``layer``'s weight into."""
+    def runtime_module(self, layer: str) -> str | None:
+        """The runtime module the model loads diffusers module ``layer``'s weight into (None: none)."""
         placed = self.tensors.get(f"{layer}.weight") or {}
         param = placed.get("param")
         return None if param is None else param.rpartition(".")[0]
 
     def _linear(self, layer: str) -> dict | None:
-        module = self._runtime_module(layer)
+        module = self.runtime_module(layer)
         return None if module is None else self.linears.get(module)
 
     def is_linear(self, layer: str) -> bool:
@@ -328,7 +331,7 @@ class ModelNames:
         linear = self._linear(layer)
         if linear is None:
             raise CheckpointError(f"{layer!r} is not a Linear of vLLM-Omni's {self.model_class}")
-        return linear["prefix"] if linear["quantizable"] else self._runtime_module(layer)
+        return linear["prefix"] if linear["quantizable"] else self.runtime_module(layer)
 
     def is_runtime_quantizable(self, layer: str) -> bool:
         """Whether the model builds diffusers Linear ``layer`` with its quantization config (the
@@ -385,3 +388,32 @@ class ModelNames:
         if len(runtime) == 1:  # one fused Q/K/V Linear: the attention is its parent
             common = common[:-1]
         return ".".join(common), qk
+
+
+def names_of_class(
+    directory: Path,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+    provider: Callable[..., dict],
+    pipeline: str | None = None,
+) -> ModelNames:
+    """The runtime names of the transformer in ``directory`` from vLLM-Omni's class (``config``'s
+    ``_class_name``; ``pipeline`` says which model folder to look in first): ``tensors`` are its
+    tensors as the BF16 original holds them (name -> safetensors dtype, shape), ``provider`` is
+    :func:`vllm_omni_mxfp4.models.derive_names` or a stand-in. Every tensor must be one the class
+    loads. Any failure is a :class:`CheckpointError` naming the directory and the class."""
+    class_name = str(config.get("_class_name"))
+    try:
+        data = provider(pipeline, class_name, dict(config), dict(tensors))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # the provider runs vLLM-Omni's model code
+        raise CheckpointError(
+            f"{directory}: cannot tell which Linears vLLM-Omni's {class_name!r} (config.json _class_name) "
+            f"quantizes or fuses ({type(exc).__name__}: {exc}); the checkpoint must be that class's, and "
+            "vLLM-Omni the version that serves it"
+        ) from exc
+    names = ModelNames.from_dict(data, DIFFUSERS_EXPORT_NAMES)
+    for name in tensors:
+        names.check_loaded(name, str(directory))
+    return names

@@ -40,7 +40,7 @@ from vllm_omni_mxfp4.checkpoint.safetensors_io import (
 )
 from vllm_omni_mxfp4.config import Mxfp4Config
 from vllm_omni_mxfp4.config.keys import layer_order
-from vllm_omni_mxfp4.sources.nvfp4 import LayerSource, SourceError, detect_nvfp4
+from vllm_omni_mxfp4.sources.nvfp4 import LayerSource, SourceError, TensorInfo, detect_nvfp4, original_tensors
 from vllm_omni_mxfp4.sources.nvfp4.names import Renamed, bfl_module, bfl_param, is_bfl
 
 from .reader import TensorReader
@@ -119,24 +119,6 @@ def _component_config(directory: Path) -> dict:
     )
 
 
-def _original_tensors(archive: dict[str, TensorRef], layers) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """The component's tensors as its BF16 original holds them (what the model class loads): a
-    quantized layer's ``weight`` at its full shape and its ``bias``; its scales have no place there."""
-    tensors = {}
-    for key, ref in archive.items():
-        module, _, param = key.rpartition(".")
-        layer = layers.get(module)
-        if param in DROPPED_PARAMS:
-            continue
-        if layer is None or layer.action == "keep":
-            tensors[key] = (ref.dtype, tuple(ref.shape))
-        elif key == layer.tensors.get("weight"):
-            tensors[f"{module}.weight"] = ("BF16", tuple(layer.shape or ref.shape))
-        elif key == layer.tensors.get("bias"):
-            tensors[key] = (ref.dtype, tuple(ref.shape))
-    return tensors
-
-
 def _target(
     directory: Path, config: dict, archive: dict[str, TensorRef], checkpoint, provider
 ) -> TargetModel:
@@ -144,7 +126,8 @@ def _target(
     fixed = TARGETS.get(config.get("_class_name"))
     if fixed is not None:
         return fixed
-    return derived_target(directory, config, _original_tensors(archive, checkpoint.layers), provider)
+    stored = {name: TensorInfo(ref.dtype, tuple(ref.shape)) for name, ref in archive.items()}
+    return derived_target(directory, config, original_tensors(stored, checkpoint.layers), provider)
 
 
 def _archive(directory: Path) -> dict[str, TensorRef]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni_mxfp4.checkpoint.errors import CheckpointError, read_json_object
-from vllm_omni_mxfp4.checkpoint.names import DIFFUSERS_EXPORT_NAMES, ModelNames, runtime_layer_name
+from vllm_omni_mxfp4.checkpoint.names import names_of_class, runtime_layer_name
 from vllm_omni_mxfp4.sources.nvfp4.names import flux2_quantizable, flux2_runtime_name
 
 
@@ -70,22 +70,8 @@ def derived_target(
     tensors: Mapping[str, tuple[str, tuple[int, ...]]],
     provider: Callable[..., dict],
 ) -> TargetModel:
-    """The target of ``config``'s ``_class_name`` from vLLM-Omni's class: ``tensors`` are the
-    component's tensors as its BF16 original would hold them (name -> safetensors dtype, shape),
-    ``provider`` is :func:`vllm_omni_mxfp4.checkpoint.merger.derived_names` or a stand-in. Every
-    tensor must be one the class loads; a :class:`CheckpointError` naming the directory otherwise."""
-    class_name = str(config.get("_class_name"))
-    try:
-        data = provider(_pipeline_class(directory), class_name, dict(config), dict(tensors))
-    except CheckpointError:
-        raise
-    except Exception as exc:  # the provider runs vLLM-Omni's model code
-        raise CheckpointError(
-            f"{directory}: cannot tell which Linears vLLM-Omni's {class_name!r} (config.json _class_name) "
-            f"quantizes or fuses ({type(exc).__name__}: {exc}); convert needs the vLLM-Omni version that "
-            "will serve the model"
-        ) from exc
-    names = ModelNames.from_dict(data, DIFFUSERS_EXPORT_NAMES)
-    for name in tensors:
-        names.check_loaded(name, str(directory))
+    """The target of ``config``'s ``_class_name`` from vLLM-Omni's class
+    (:func:`~vllm_omni_mxfp4.checkpoint.names.names_of_class`, which refuses a tensor the class does
+    not load)."""
+    names = names_of_class(directory, config, tensors, provider, _pipeline_class(directory))
     return TargetModel(names.model_class, names.is_runtime_quantizable, names.runtime_layer_name)

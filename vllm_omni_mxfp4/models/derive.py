@@ -40,6 +40,7 @@ def derive_names(
     class_name: str,
     config: Mapping[str, Any],
     tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+    in_child: bool = False,
 ) -> dict[str, Any]:
     """Build vLLM-Omni's ``class_name`` (found through ``pipeline``'s model folder) from a diffusers
     ``config`` on the meta device and trace where its ``load_weights`` puts each of ``tensors``
@@ -48,7 +49,8 @@ def derive_names(
     (:func:`_disk_cache`), so the build's fixed cost is paid once per class and config.
 
     In a process that has not imported vLLM yet (the merge CLI), or whose stdout or stderr has no
-    file descriptor (:func:`_has_fd`), the build runs in a child process
+    file descriptor (:func:`_has_fd`), or with ``in_child`` (an engine building its own model, whose
+    distributed state the probe build must not touch), the build runs in a child process
     (``python -m vllm_omni_mxfp4.models``): the caller's memory, stdout and stderr stay its own (vLLM
     logs to both when imported), and its error, if any, is raised here with the child's last output.
     """
@@ -60,7 +62,7 @@ def derive_names(
     cached = _disk_cache(key)
     if cached.is_file():
         return json.loads(cached.read_text())
-    in_process = "vllm" in sys.modules and _has_fd(sys.stdout) and _has_fd(sys.stderr)
+    in_process = not in_child and "vllm" in sys.modules and _has_fd(sys.stdout) and _has_fd(sys.stderr)
     text = _derive(key) if in_process else _derive_in_child(key)
     _store(cached, text)
     return json.loads(text)

@@ -55,6 +55,7 @@ from ..sources.nvfp4 import (
     detect_nvfp4,
     load_mul_scale,
     load_nvfp4_weight,
+    original_tensors,
     parse_quant_config,
     read_checkpoint_headers,
 )
@@ -83,14 +84,58 @@ def runtime_name(layer: str) -> str:
         return layer
 
 
+def _wan_names(layer: str) -> tuple[str, str]:
+    """(runtime prefix, module path) of a Wan2.2 checkpoint layer: both its fused runtime name."""
+    name = runtime_name(layer)
+    return name, name
+
+
+def _class_names(
+    od_config: Any, directory: Path, checkpoint: Nvfp4Checkpoint
+) -> Callable[[str], tuple[str, str]]:
+    """(runtime prefix, module path) of each checkpoint layer of any other pipeline's transformer,
+    from vLLM-Omni's class itself (:func:`~vllm_omni_mxfp4.models.derive_names`, in a child process:
+    the engine's own distributed state is not touched; cached on disk after the first time). A
+    tensor the class does not load, or an NVFP4 / FP8 layer it has no Linear for, is refused."""
+    from ..checkpoint.errors import read_json_object
+    from ..checkpoint.names import names_of_class
+    from ..models import derive_names
+
+    config = read_json_object(
+        directory / "config.json", if_missing="a diffusers transformer needs its config.json"
+    )
+    tensors, _, _ = read_checkpoint_headers(directory)
+    original = original_tensors(tensors, checkpoint.layers)
+    provider = functools.partial(derive_names, in_child=True)
+    names = names_of_class(
+        directory, config, original, provider, getattr(od_config, "model_class_name", None)
+    )
+
+    def of(layer: str) -> tuple[str, str]:
+        if names.is_linear(layer):
+            return names.runtime_layer_name(layer), names.runtime_module(layer)
+        if checkpoint.layers[layer].action != "keep":
+            raise SourceError(
+                layer,
+                f"vLLM-Omni's {names.model_class} loads this {checkpoint.layers[layer].algo} layer into no Linear",
+                "the checkpoint was made for another model class; check config.json's _class_name",
+            )
+        return layer, layer  # a kept non-Linear (a norm): streamed as stored
+
+    return of
+
+
 @dataclass
 class Nvfp4Plan:
     """One expert's NVFP4 checkpoint and what happens to each of its layers.
 
     ``config``: the offline ``mxfp4`` config its quantized Linears get; ``rule``: the requantization
     rule (``auto`` resolved); ``params``: checkpoint module -> its tensor names in the files, so a
-    layer is converted once all of them arrived; ``by_runtime``: runtime Linear path -> its checkpoint
-    layers; ``mx_layers``: runtime paths built with the ``mxfp4`` method; ``records``: the load report.
+    layer is converted once all of them arrived; ``runtime`` / ``modules``: checkpoint layer -> the
+    prefix its runtime Linear's quantization config sees / that Linear's module path (Wan's fixed
+    names, or those derived from any other class, :func:`_class_names`); ``by_runtime``: runtime
+    prefix -> its checkpoint layers; ``mx_layers``: runtime prefixes built with the ``mxfp4`` method;
+    ``records``: the load report.
     """
 
     component: str
@@ -99,27 +144,37 @@ class Nvfp4Plan:
     config: Mxfp4Config
     rule: str
     params: Mapping[str, frozenset[str]]
+    runtime: Mapping[str, str]
+    modules: Mapping[str, str]
     by_runtime: Mapping[str, tuple[str, ...]]
     mx_layers: set[str] = field(default_factory=set)
     records: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def of(
-        cls, component: str, directory: Path, checkpoint: Nvfp4Checkpoint, config: Mxfp4Config
+        cls,
+        component: str,
+        directory: Path,
+        checkpoint: Nvfp4Checkpoint,
+        config: Mxfp4Config,
+        names: Callable[[str], tuple[str, str]] | None = None,
     ) -> Nvfp4Plan:
-        """The plan of ``checkpoint`` (detected in ``directory``) served with ``config``."""
+        """The plan of ``checkpoint`` (detected in ``directory``) served with ``config``; ``names``
+        gives a checkpoint layer's (runtime prefix, module path), Wan2.2's fixed names by default."""
         tensors, _, _ = read_checkpoint_headers(directory)
         params: dict[str, set[str]] = {}
         for key in tensors:
             module, _, param = key.rpartition(".")
             params.setdefault(module, set()).add(param)
+        named = {name: (names or _wan_names)(name) for name in checkpoint.layers}
         by_runtime: dict[str, list[str]] = {}
-        for name in checkpoint.layers:
-            by_runtime.setdefault(runtime_name(name), []).append(name)
+        for name, (prefix, _) in named.items():
+            by_runtime.setdefault(prefix, []).append(name)
         rule = AUTO_RULE if config.nvfp4_requant_rule == "auto" else config.nvfp4_requant_rule
         return cls(
             component, directory, checkpoint, config, rule,
             {m: frozenset(p) for m, p in params.items() if m in checkpoint.layers},
+            {n: prefix for n, (prefix, _) in named.items()}, {n: module for n, (_, module) in named.items()},
             {r: tuple(sorted(n)) for r, n in by_runtime.items()},
         )  # fmt: skip
 
@@ -185,10 +240,11 @@ def _runtime_config(od_config: Any, component: str) -> Any:
     return qc
 
 
-def plan_component(od_config: Any, component: str) -> Nvfp4Plan | None:
+def plan_component(od_config: Any, component: str, derived: bool = False) -> Nvfp4Plan | None:
     """The :class:`Nvfp4Plan` of ``component`` when one of our configs loads an NVFP4 checkpoint from
-    a local directory; None otherwise. Raises :class:`SourceError` for a layer we would not reproduce
-    exactly, ValueError for ``mxfp4_dualscale``."""
+    a local directory; None otherwise. ``derived``: the layer names come from the pipeline's own
+    transformer class (:func:`_class_names`), not Wan2.2's. Raises :class:`SourceError` for a layer we
+    would not reproduce exactly, ValueError for ``mxfp4_dualscale``."""
     from .quant_config import MxQuantizationConfig
 
     runtime = _runtime_config(od_config, component)
@@ -202,7 +258,8 @@ def plan_component(od_config: Any, component: str) -> Nvfp4Plan | None:
     if checkpoint is None:
         return None
     config = nvfp4_source_config(runtime.config, f"{component} ({checkpoint.origin})")
-    plan = Nvfp4Plan.of(component, directory, checkpoint, config)
+    names = _class_names(od_config, directory, checkpoint) if derived else None
+    plan = Nvfp4Plan.of(component, directory, checkpoint, config, names)
     logger.info("%s: %s; requantizing to MXFP4 at load (rule %s)", component, checkpoint.summary(), plan.rule)
     return plan
 
@@ -237,16 +294,49 @@ def _tolerant_from_dict(original: Callable) -> Callable:
             if not isinstance(qc, dict) or parse_quant_config(qc, "config.json quantization_config") is None:
                 raise
             logger.info("NVFP4 checkpoint: vLLM-Omni cannot build its quantization_config (%s); "
-                        "vllm-omni-mxfp4 reads it when a Wan expert is built with mxfp4", exc)  # fmt: skip
+                        "vllm-omni-mxfp4 reads it when the transformer is built with mxfp4", exc)  # fmt: skip
             return cls(params=dict(data), quant_method=qc.get("quant_method"), quant_config=None)
 
     return run
 
 
+def _wan_hooked(od_config: Any) -> bool:
+    """Whether the pipeline's experts are built through a wrapped ``_create_transformer`` (Wan2.2)."""
+    from vllm_omni.diffusion.registry import DiffusionModelRegistry
+
+    cls = DiffusionModelRegistry._try_load_model_cls(getattr(od_config, "model_class_name", None))
+    return getattr(getattr(cls, "_create_transformer", None), _INSTALLED, False)
+
+
+def _planning_initialize(original: Callable) -> Callable:
+    """vLLM-Omni's ``initialize_model`` building any other pipeline's ``transformer`` under its plan,
+    with the names of the pipeline's own transformer class (module docstring, step 1)."""
+
+    def run(od_config: Any, *args: Any, **kwargs: Any) -> Any:
+        plan = None if _wan_hooked(od_config) else plan_component(od_config, "transformer", derived=True)
+        if plan is None:
+            return original(od_config, *args, **kwargs)
+        with building(plan):
+            model = original(od_config, *args, **kwargs)
+        transformer = getattr(model, "transformer", None)
+        if not isinstance(transformer, torch.nn.Module):
+            raise SourceError(
+                "transformer",
+                f"{type(model).__name__} has no transformer module to load the NVFP4 checkpoint into",
+                "serve this pipeline from a converted checkpoint (vllm-omni-mxfp4 convert)",
+            )
+        setattr(transformer, PLAN_ATTR, plan)
+        return model
+
+    return run
+
+
 def install() -> None:
-    """Wrap the Wan2.2 pipelines' ``_create_transformer`` (T2V, I2V, VACE) and vLLM-Omni's
+    """Wrap the Wan2.2 pipelines' ``_create_transformer`` (T2V, I2V, VACE: one plan per expert),
+    vLLM-Omni's ``initialize_model`` (every other pipeline's ``transformer``) and
     ``TransformerConfig.from_dict``; idempotent."""
-    from vllm_omni.diffusion import data
+    from vllm_omni.diffusion import data, registry
+    from vllm_omni.diffusion.model_loader import diffusers_loader
     from vllm_omni.diffusion.models.wan2_2 import pipeline_wan2_2, pipeline_wan2_2_i2v, pipeline_wan2_2_vace
 
     original = data.TransformerConfig.__dict__["from_dict"]
@@ -265,15 +355,21 @@ def install() -> None:
         wrapper = functools.wraps(original)(_planning_create(original))
         setattr(wrapper, _INSTALLED, True)
         pipeline._create_transformer = wrapper
+    for module in (registry, diffusers_loader):  # the loader imported the function by name
+        original = module.initialize_model
+        if not getattr(original, _INSTALLED, False):
+            wrapper = functools.wraps(original)(_planning_initialize(original))
+            setattr(wrapper, _INSTALLED, True)
+            module.initialize_model = wrapper
 
 
 # ------------------------------------------------------------------------------- conversion
 
 
-def _target(model: torch.nn.Module, prefix: str, name: str) -> torch.nn.Module | None:
+def _target(model: torch.nn.Module, prefix: str, plan: Nvfp4Plan, name: str) -> torch.nn.Module | None:
     """The runtime module of checkpoint layer ``name`` under ``prefix`` (``transformer.``), if any."""
     try:
-        return model.get_submodule(prefix + runtime_name(name))
+        return model.get_submodule(prefix + plan.modules[name])
     except AttributeError:
         return None
 
@@ -316,7 +412,7 @@ def _dequantized(layer: LayerSource, get: Callable[[str], torch.Tensor], dtype: 
 
 def _record(plan: Nvfp4Plan, layer: LayerSource, action: str, reason: str, **extra: Any) -> None:
     """Add one layer's entry to the expert's load report (read by :mod:`.report`) and log it."""
-    record = {"layer": layer.name, "runtime": runtime_name(layer.name), "action": action, "algo": layer.algo}
+    record = {"layer": layer.name, "runtime": plan.runtime[layer.name], "action": action, "algo": layer.algo}
     record.update(reason=reason, **extra)
     plan.records.append(record)
     logger.info("%s.%s: %s (%s)", plan.component, layer.name, action, reason)
@@ -328,7 +424,7 @@ def convert_layer(
     """The tensors a completely staged checkpoint layer becomes for the runtime ``module``: MXFP4
     ``weight`` / ``weight_scale`` (+ ``mul_scale``) for an ``mxfp4`` Linear, a BF16 ``weight``
     otherwise; ``bias`` as stored; static activation scales dropped."""
-    mx = layer.action == "requantize" and runtime_name(layer.name) in plan.mx_layers
+    mx = layer.action == "requantize" and plan.runtime[layer.name] in plan.mx_layers
     dtype, device = _float_dtype(module)
     if mx:
         device = module.weight.device  # the offline layer's packed weight: requantize where it lives
@@ -399,7 +495,7 @@ def _converted(
         if len(stage) < len(plan.params[module]):
             continue
         del staged[(prefix, module)]
-        for out_key, out in convert_layer(plan, layer, stage, _target(model, prefix, module)):
+        for out_key, out in convert_layer(plan, layer, stage, _target(model, prefix, plan, module)):
             yield prefix + out_key, out
         stage.clear()  # the staged NVFP4 tensors go before the next layer arrives
     _check_finished(plans, staged)

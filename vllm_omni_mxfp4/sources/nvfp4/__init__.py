@@ -12,7 +12,7 @@
 """
 
 from .config import ProducerConfig, parse_quant_config
-from .detect import describe_layers, detect_nvfp4, read_checkpoint_headers
+from .detect import describe_layers, detect_nvfp4, original_tensors, read_checkpoint_headers
 from .layouts import (
     fuse_rows,
     load_mul_scale,
@@ -34,6 +34,7 @@ __all__ = [
     "fuse_rows",
     "load_mul_scale",
     "load_nvfp4_weight",
+    "original_tensors",
     "parse_quant_config",
     "read_checkpoint_headers",
     "strip_padding",

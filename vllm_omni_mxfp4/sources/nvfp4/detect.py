@@ -79,6 +79,25 @@ def read_checkpoint_headers(model_dir: Path) -> tuple[dict[str, TensorInfo], dic
     return tensors, metadata, files
 
 
+def original_tensors(
+    tensors: Mapping[str, TensorInfo], layers: Mapping[str, LayerSource]
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A component's tensors (name -> (dtype, shape)) as its BF16 original holds them, which is what
+    the model class loads: an NVFP4 or FP8 layer's ``weight`` at its full ``(N, K)`` in BF16 and its
+    ``bias``, none of its scales; every other tensor as stored, Comfy markers aside."""
+    out = {}
+    for name, info in tensors.items():
+        module, _, param = name.rpartition(".")
+        layer = layers.get(module)
+        if param == COMFY_MARKER:
+            continue
+        if layer is None or layer.action == "keep" or param == "bias":
+            out[name] = (info.dtype, tuple(info.shape))
+        elif name == layer.tensors.get("weight"):
+            out[f"{module}.weight"] = ("BF16", tuple(layer.shape or info.shape))
+    return out
+
+
 def _read_markers(files: Mapping[str, Path]) -> dict[str, dict[str, Any]]:
     """Decoded ``<module>.comfy_quant`` markers (JSON in a uint8 tensor), by module."""
     from safetensors import safe_open
