@@ -31,13 +31,15 @@ def register() -> None:
     from .names import install as install_name_checks
     from .nvfp4_loading import install as install_nvfp4
     from .quant_config import Mxfp4DualScaleQuantizationConfig, Mxfp4QuantizationConfig
+    from .text_encoders import install as install_text_encoders
 
     register_quantization_override("mxfp4", Mxfp4QuantizationConfig.from_kwargs)
     register_quantization_override("mxfp4_dualscale", Mxfp4DualScaleQuantizationConfig.from_kwargs)
     install_name_checks()
     install_family_defaults()  # BF16 layers of published MXFP4 recipes, when no ignored_layers is given
     install_load_guard()  # names the tensor when vLLM's loaders fail; refuses unknown quantized tensors
-    install_nvfp4()  # NVFP4 checkpoints of Wan experts: requantized to MXFP4 while they load
+    install_nvfp4()  # NVFP4 checkpoints: requantized to MXFP4 while they load
+    install_text_encoders()  # Hugging Face text encoders whose Linears vLLM-Omni rebuilds: BF16
     attach_to_vllm_logging()
     _registered = True
     logger.debug("vllm-omni-mxfp4: registered mxfp4 and mxfp4_dualscale with vLLM-Omni")
