@@ -102,15 +102,6 @@ class Family:
         )
 
 
-Z_IMAGE_UNSUPPORTED = (
-    "the tiny pipeline loads and generates in BF16 (its transformer is built from transformer/config.json "
-    "by the demo's plugin vllm_omni_mxfp4_demo.z_image_config; vLLM-Omni 0.30's ZImagePipeline ignores that "
-    "file), but online mxfp4 and mxfp4_dualscale fail at load: ZImagePipeline builds its Qwen3 text "
-    "encoder's Linears with the same quantization config (create_transformers_model), then re-creates "
-    "their meta-device weights without the weight loader our methods attach, so no text encoder weight "
-    "counts as loaded ('model.layers.0.self_attn.q_proj.weight: ... 0 of 4096 elements were loaded')"
-)
-
 FAMILIES: tuple[Family, ...] = (
     Family("wan22_t2v_a14b", "Wan2.2 T2V-A14B", _wan(2), 32, 32, 5, 5.0),
     Family("wan22_i2v_a14b", "Wan2.2 I2V-A14B", _variant("i2v"), 32, 32, 5, 5.0, image=True),
@@ -127,7 +118,7 @@ FAMILIES: tuple[Family, ...] = (
         5,
         6.0,
     ),
-    Family("z_image", "Z-Image", _builder("z_image", "build_tiny_z_image"), unsupported=Z_IMAGE_UNSUPPORTED),
+    Family("z_image", "Z-Image", _builder("z_image", "build_tiny_z_image")),
 )
 FAMILY_KEYS = tuple(f.key for f in FAMILIES)
 
