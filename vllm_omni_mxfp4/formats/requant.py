@@ -17,10 +17,15 @@ unchanged. The exponent rule is selectable:
   [4, 8), ``e0 + 1`` can only win when ``a > 6`` (below, ``e0``'s grid holds ``e0 + 1``'s on
   [0, 6 * 2^e0], so no element gets closer) and ``e0 - 1`` only when ``a < 4.47`` (it saturates the
   maximum at 3 * 2^e0, losing at least ``2a - 7`` in units of 4^e0, while it can gain at most
-  1/16 on each of the other 31 elements, where its grid is finer); so a block compares ``e0`` with
-  ``e0 + 1`` when ``a >= 5`` and with ``e0 - 1`` otherwise, and gets the same code as comparing all
-  three. A block ``floor`` reproduces exactly keeps ``floor``'s bytes, so lossless round trips give
-  back the original MXFP4 bytes.
+  1/16 on each of the other 31 elements, where its grid is finer). Closer: ``e0 + 1`` gains only
+  on elements above 7 * 2^e0 (on (6, 7] both round to 6 * 2^e0), so it can only win when
+  ``a > 7``. A block is therefore requantized at ``e0`` (as ``floor`` would), and only the blocks with
+  ``a >= 7`` (``e0 + 1``) or ``a <= 4.46875`` (``e0 - 1``, when ``e0 > 0``; 2a - 7 < 1.9375 needs
+  ``a < 4.46875``) are scored at their one other candidate and switched where it is strictly better
+  (:func:`_mse_codes`): the same codes as comparing all three, for about 1.4x ``floor``'s work
+  (``bench/requant.py``).
+  A block ``floor`` reproduces exactly keeps ``floor``'s bytes, so lossless round trips give back
+  the original MXFP4 bytes.
 
 How, without a float32 copy of the layer: an element's result depends only on its 4-bit code, its
 E4M3 scale byte, the global scale and the block exponent, and within a 16-element half the
@@ -111,15 +116,14 @@ class _Tables:
     rows, so building them is cheap and they stay in cache). ``half_codes`` (rows * 8): the E8M0
     code of the rule of a 16-half whose largest magnitude code is that one; every rule's code grows
     with the block maximum, so a block's code is the larger of its halves' (no float maximum, no
-    rule per block). For ``mse`` the entry is ``floor code * 2 + up`` with ``up`` = maximum >=
-    5 * 2^(code - 127) or code 0, so the larger of a block's two entries also says which neighbour
-    of ``e0`` to try (module docstring; at code 0 there is no ``e0 - 1``). ``natural`` (rows,): the half's natural exponent. ``out`` / ``sse`` / ``ref2``
+    rule per block). For ``mse`` the entry is ``floor code * 4 + side``, ``side`` 2 when the
+    maximum is at least 7 * 2^(code - 127) (``e0 + 1`` may win), 0 when it is at most 4.46875 *
+    2^(code - 127) and the code is not 0 (``e0 - 1`` may win), else 1; ``side`` grows with the maximum, so the
+    larger of a block's two entries also says which neighbour of ``e0`` to score (module docstring). ``natural`` (rows,): the half's natural exponent. ``out`` / ``sse`` / ``ref2``
     (rows, slots, 256 bytes): of a byte, int64 ``largest |error| << 8 | output byte`` (the float32
     bits of a non-negative error order as the floats do, so one gather gives the byte and the
     layer's largest error is the maximum of the gathered values, shifted), float64 squared error and
-    float64 sum of squares of the input (the same in every slot, so one index serves all three);
-    ``pair`` (``mse`` only): ``sse`` of a slot and of the next one as one complex128, so one gather
-    and one sum give both candidates' block errors.
+    float64 sum of squares of the input (the same in every slot, so one index serves all three).
     """
 
     remap: torch.Tensor
@@ -128,7 +132,6 @@ class _Tables:
     out: torch.Tensor
     sse: torch.Tensor
     ref2: torch.Tensor
-    pair: torch.Tensor | None
 
 
 def _element_tables(values: torch.Tensor, natural: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +157,9 @@ def _half_codes(values: torch.Tensor, rule: str) -> torch.Tensor:
     if rule != "mse":
         return shared_exponent_codes(amax, rule)
     e0 = shared_exponent_codes(amax, "floor")
-    return e0 * 2 + ((amax >= 5 * e8m0_to_float(e0)) | (e0 == 0)).int()
+    scale = e8m0_to_float(e0)
+    side = 1 + (amax >= 7 * scale).int() - ((amax <= 4.46875 * scale) & (e0 > 0)).int()
+    return e0 * 4 + side
 
 
 def _check_range(name: str, used: torch.Tensor, values: torch.Tensor, natural: torch.Tensor) -> None:
@@ -174,7 +179,7 @@ def _tables(
 ) -> _Tables:
     """The tables of global scale ``g`` (a multiplier, or a divisor with ``divides``) for the scale
     bytes ``used`` (uint8, CPU), built with the exact dequant of every (scale byte, code) pair. About
-    80 kB (150 kB for ``mse``) per byte used, built per call in a few milliseconds and not cached:
+    80 kB per byte used, built per call in a few milliseconds and not cached:
     every layer has its own global scale."""
     rows = used.numel()
     codes = pack_fp4(torch.arange(16, dtype=torch.uint8).expand(rows, 16))
@@ -188,13 +193,10 @@ def _tables(
     out = (max_err << 8) | _bytes(q, q << 4, torch.bitwise_or)
     sse = _bytes(e2, e2, torch.add)
     ref2 = _bytes(v2, v2, torch.add).unsqueeze(1).expand(sse.shape).contiguous()
-    pair = None
-    if rule == "mse":  # (slot, slot + 1); the last slot (ZEROED) never starts a pair
-        pair = torch.complex(sse, torch.nn.functional.pad(sse[:, 1:], (0, 0, 0, 1)))
     remap = torch.zeros(256, dtype=torch.int32)
     remap[used.long()] = torch.arange(rows, dtype=torch.int32)
-    tables = (remap, _half_codes(values[:, :8], rule), natural, out, sse, ref2, pair)
-    return _Tables(*(None if t is None else t.to(device) for t in tables))
+    tables = (remap, _half_codes(values[:, :8], rule), natural, out, sse, ref2)
+    return _Tables(*(t.to(device) for t in tables))
 
 
 # ---------------------------------------------------------------------------- one row chunk
@@ -231,20 +233,41 @@ def _block_sse(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _mse_codes(t: _Tables, row: torch.Tensor, natural: torch.Tensor, data: torch.Tensor, key: torch.Tensor):
-    """The ``mse`` rule: int32 codes ``(R, G)``, their byte indices and block errors (float64).
+    """The ``mse`` rule: int32 codes ``(R, G)``, the ``e0`` byte indices (what the error report's
+    input energy needs), block errors (float64) and :attr:`_Tables.out` entries of the result.
 
-    ``key`` = the blocks' :attr:`_Tables.half_codes` entries: ``e0`` and whether the other candidate
-    is ``e0 + 1`` (else ``e0 - 1``). The two candidates are consecutive slots, whose errors
-    :attr:`_Tables.pair` holds together; a tie keeps ``e0``.
+    ``key`` = the blocks' :attr:`_Tables.half_codes` entries: ``e0`` and which neighbour, if any,
+    may beat it (module docstring). Every block is requantized at ``e0``; the blocks with a
+    neighbour to score are gathered, scored there and switched where it is strictly better.
     """
-    e0, up = key >> 1, key & 1
-    start = e0 - 1 + up  # the pair (start, start + 1) is (e0 - 1, e0) or (e0, e0 + 1)
-    low = _slot_index(row, _slots(start, natural), data)
-    both = _block_sse(t.pair, low)
-    first, second = both.real, both.imag
-    step = torch.where(up.bool(), second < first, second <= first)  # the chosen code's place in the pair
-    index = low + (step.int() * 256).repeat_interleave(2, dim=1).unsqueeze(-1)
-    return start + step, index, torch.where(step, second, first)
+    code, side = key >> 2, key & 3
+    index = _slot_index(row, _slots(code, natural), data)
+    sse, out = _block_sse(t.sse, index), _gather(t.out, index)
+    blocks = (side != 1).reshape(-1).nonzero().squeeze(1)
+    if blocks.numel():
+        _switch_where_better(t, row, natural, data, blocks, side, (code, sse, out))
+    return code, index, sse, out
+
+
+def _switch_where_better(t: _Tables, row, natural, data, blocks: torch.Tensor, side, result) -> None:
+    """Score ``blocks`` (flat block ids of the chunk) at their other candidate and write the ones it
+    improves strictly into ``result`` = (codes, block errors, out entries) in place."""
+    code, sse, out = result
+    halves = (blocks * 2).unsqueeze(1).add(torch.arange(2, device=blocks.device)).reshape(-1)
+    other = code.reshape(-1).index_select(0, blocks) + side.reshape(-1).index_select(0, blocks) - 1
+    rows = row.reshape(-1).index_select(0, halves).view(-1, 2)
+    slot = (other.unsqueeze(1) - natural.reshape(-1).index_select(0, halves).view(-1, 2) - SHIFTS[0]).clamp_(
+        0, TOP
+    )
+    index = _slot_index(rows, slot, data.reshape(-1, 2, HALF // 2).index_select(0, blocks))
+    scored = _block_sse(t.sse, index).squeeze(1)
+    better = (scored < sse.reshape(-1).index_select(0, blocks)).nonzero().squeeze(1)
+    if better.numel():
+        switched = blocks.index_select(0, better)
+        sse.view(-1).index_copy_(0, switched, scored.index_select(0, better))
+        code.view(-1).index_copy_(0, switched, other.index_select(0, better))
+        entries = _gather(t.out, index.index_select(0, better)).reshape(-1, MX_BLOCK // 2)
+        out.view(-1, MX_BLOCK // 2).index_copy_(0, switched, entries)
 
 
 @dataclass
@@ -291,14 +314,13 @@ def _requant_chunk(t: _Tables, codes: torch.Tensor, scales: torch.Tensor, rule: 
     code = _block_codes(t, data, row)
     natural = _gather(t.natural, row)
     if rule == "mse":
-        code, index, sse = _mse_codes(t, row, natural, data, code)
+        code, index, sse, out = _mse_codes(t, row, natural, data, code)
     else:
         slot = _slots(code, natural)
         if rule == "floor":  # quantize_mx's FLOOR: code 0 zeroes the block, keeping each sign
             slot = torch.where((code == 0).repeat_interleave(2, dim=1), ZEROED, slot)
         index = _slot_index(row, slot, data)
-        sse = _block_sse(t.sse, index)
-    out = _gather(t.out, index)
+        sse, out = _block_sse(t.sse, index), _gather(t.out, index)
     sums.add(t, index, sse, out)
     return out.reshape(r, -1)[:, :half_k].to(torch.uint8), code.to(torch.uint8)
 
