@@ -1,28 +1,26 @@
-"""Why Sana-WM's quantized forward is not measured: two upstream lines cast a Linear's input to that
-Linear's weight dtype, which for a quantized Linear (ours on every device) is the packed FP4 storage
-(uint8).
+"""Why two of Sana-WM's Linears stay BF16 whatever the config says: two upstream lines cast a Linear's
+input to that Linear's weight dtype, which for a quantized Linear (ours on every device) is the packed
+FP4 storage (uint8).
 
 - ``SanaWmTimestepEmbedder.forward``: ``self.mlp[0](emb.to(dtype=self.mlp[0].weight.dtype))``;
 - ``SanaWmSelfAttention._apply_output_gate_and_proj``: ``self.proj(gated.to(self.proj.weight.dtype))``.
 
-The BF16 forward runs on the CPU platform (its op fix-ups and the loader's bf16 post-load step, see
-tests/support/models.py), the quantized one stops at the first of those lines, keeping that Linear in
-BF16 moves the failure to the second, and keeping both in BF16 lets it run: those two lines are the
-whole gap. When upstream stops casting to the weight dtype, the first test fails: then give
-``tests.support.models.SANA_WM`` its inputs and record its measurement in tools/model_table.py.
+The required family default (``vllm_omni_mxfp4/config/defaults.py``, ``SANA_WM``) keeps those two in
+BF16. Without it the quantized forward stops at the first line, keeping that Linear in BF16 moves the
+failure to the second; with it the forward runs. When upstream stops casting to the weight dtype,
+the test of the failure fails: then drop the default and measure the model again.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import traceback
 
 import pytest
 import torch
 
-from tests.support.models import SANA_WM, build, cosine, finish, forward, load_from, randomize, sana_wm_inputs
+from tests.support.models import SANA_WM, build, cosine, finish, forward, load_from, randomize
 
-CASE = dataclasses.replace(SANA_WM, inputs=sana_wm_inputs, output=lambda out: out)
+CASE = SANA_WM
 CAST_LINES = {
     "t_embedder.mlp.0": "SanaWmTimestepEmbedder.forward",
     "blocks.*.attn.proj": "SanaWmSelfAttention._apply_output_gate_and_proj",
@@ -40,10 +38,14 @@ def bf16(vllm_env):
     return weights, forward(vllm_env, CASE, model)
 
 
-def _quantized(env, weights, kept_bf16: list[str]):
-    blocks = range(CASE.extra()["config"].num_blocks)
-    names = [n for p in kept_bf16 for n in ([p.replace("*", str(i)) for i in blocks] if "*" in p else [p])]
-    model = build(env, CASE, {"quant_method": "mxfp4", "ignored_layers": names})
+def _quantized(env, weights, kept_bf16: list[str] | None):
+    spec = {"quant_method": "mxfp4"}
+    if kept_bf16 is not None:
+        blocks = range(CASE.extra()["config"].num_blocks)
+        spec["ignored_layers"] = [
+            n for p in kept_bf16 for n in ([p.replace("*", str(i)) for i in blocks] if "*" in p else [p])
+        ]
+    model = build(env, CASE, spec)
     load_from(env, model, weights)
     return model
 
@@ -54,7 +56,12 @@ def test_bf16_forward_runs_on_the_cpu_platform(bf16):
 
 
 @pytest.mark.parametrize("kept_bf16", [[], ["t_embedder.mlp.0"]])
-def test_quantized_forward_casts_activations_to_the_packed_weight(vllm_env, bf16, kept_bf16):
+def test_without_the_default_the_forward_casts_activations_to_the_packed_weight(
+    vllm_env, bf16, kept_bf16, monkeypatch
+):
+    from vllm_omni_mxfp4.omni import defaults
+
+    monkeypatch.setattr(defaults, "with_family_default", lambda quant_config, default: quant_config)
     failing = next(name for name in CAST_LINES if name not in kept_bf16)
     model = _quantized(vllm_env, bf16[0], kept_bf16)
     with pytest.raises(TypeError, match="got torch.uint8") as info:
@@ -66,9 +73,22 @@ def test_quantized_forward_casts_activations_to_the_packed_weight(vllm_env, bf16
     )
 
 
-def test_quantized_forward_runs_with_both_cast_linears_in_bf16(vllm_env, bf16):
+def test_the_default_keeps_both_cast_linears_bf16_whatever_is_listed(vllm_env):
+    from vllm_omni_mxfp4.config.defaults import FAMILY_DEFAULTS
+
+    assert FAMILY_DEFAULTS[CASE.key].bf16 == tuple(CAST_LINES) and FAMILY_DEFAULTS[CASE.key].required
+    for listed in (None, ["blocks.0.attn.qkv"]):
+        spec = {"quant_method": "mxfp4", **({"ignored_layers": listed} if listed else {})}
+        model = build(vllm_env, CASE, spec)
+        for name in ("t_embedder.mlp.0", "blocks.0.attn.proj", "blocks.1.attn.proj"):
+            route = model.get_submodule(name).quant_method.route
+            assert route.precision.value == "bf16" and "casts their input" in route.reason, (name, route)
+
+
+@pytest.mark.parametrize("kept_bf16", [None, list(CAST_LINES)])
+def test_quantized_forward_runs_with_both_cast_linears_in_bf16(vllm_env, bf16, kept_bf16):
     weights, expect = bf16
-    model = _quantized(vllm_env, weights, list(CAST_LINES))
+    model = _quantized(vllm_env, weights, kept_bf16)
     got = forward(vllm_env, CASE, model)
     # every other Linear quantized, embedders included, as in Krea2 (output cosine 0.88-0.90): measured 0.933
     assert cosine(got, expect) >= 0.9

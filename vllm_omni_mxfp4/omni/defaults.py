@@ -2,9 +2,10 @@
 the transformer.
 
 :func:`install` wraps the constructor of each class in ``FAMILY_DEFAULTS``: when it is given one of
-our configs, online, with no ``ignored_layers``, the constructor gets a copy of that config carrying
-the family's default (:attr:`MxQuantizationConfig.family_default`), whose ``get_quant_method``
-keeps the default's layers in BF16. One INFO line per build says which layers and why.
+our configs, online, with no ``ignored_layers`` (or with any config, for a ``required`` default),
+the constructor gets a copy of that config carrying the family's default
+(:attr:`MxQuantizationConfig.family_default`), whose ``get_quant_method`` keeps the default's
+layers in BF16. One INFO line per build says which layers and why.
 """
 
 from __future__ import annotations
@@ -25,16 +26,23 @@ _INSTALLED = "_vllm_omni_mxfp4_family_default"
 
 def with_family_default(quant_config: Any, default: FamilyDefault) -> Any:
     """``quant_config`` with ``default`` attached, or ``quant_config`` itself when the default does
-    not apply (not one of our configs, an offline checkpoint, or the user gave ``ignored_layers``)."""
+    not apply (not one of our configs; for a recipe's default, an offline checkpoint or a config
+    with ``ignored_layers``)."""
     from .quant_config import MxQuantizationConfig
 
     if not isinstance(quant_config, MxQuantizationConfig):
         return quant_config
     config = quant_config.config
-    if config.is_serialized or config.ignored_layers:
+    if not default.required and (config.is_serialized or config.ignored_layers):
         return quant_config
     applied = copy.copy(quant_config)
     applied.family_default = default
+    if default.required:
+        logger.info(
+            "vllm-omni-mxfp4: %s built with %s: Linears matching %s stay BF16 (%s)",
+            default.class_name, config.METHOD, ", ".join(default.bf16), default.source,
+        )  # fmt: skip
+        return applied
     logger.info(
         "vllm-omni-mxfp4: %s built with %s and no ignored_layers: Linears matching %s stay BF16 "
         "(%s); give ignored_layers to choose the BF16 layers yourself",
