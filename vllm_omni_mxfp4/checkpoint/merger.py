@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from . import staging
 from .errors import CheckpointError, read_json_object, require_regular_file
-from .names import DIFFUSERS_EXPORT_NAMES, WAN_EXPORT_NAMES, ModelNames
+from .names import DIFFUSERS_EXPORT_NAMES, WAN_EXPORT_NAMES, ModelNames, derived_model_names
 from .plan import (
     DESCRIPTION_NAME,
     MXFP8_POLICIES,
@@ -368,16 +368,9 @@ def _model_names(
     """One original transformer's runtime names, from ``provider`` (vLLM-Omni's model class)."""
     config = original_config(directory, model.transformer_class)
     tensors = {name: (ref.dtype, ref.shape) for name, ref in original_archive(directory).items()}
-    try:
-        data = provider(pipeline, model.transformer_class, config, tensors)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # the provider runs vLLM-Omni's model code
-        raise CheckpointError(
-            f"{directory}: cannot derive the runtime names of {model.transformer_class} from vLLM-Omni "
-            f"({type(exc).__name__}: {exc}); the merge needs the vLLM-Omni version that will serve the model"
-        ) from exc
-    return ModelNames.from_dict(data, model.export_names)
+    return derived_model_names(
+        directory, model.transformer_class, config, tensors, provider, pipeline, model.export_names
+    )
 
 
 def _plan_transformers(

@@ -390,6 +390,33 @@ class ModelNames:
         return ".".join(common), qk
 
 
+def derived_model_names(
+    directory: Path,
+    class_name: str,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+    provider: Callable[..., dict],
+    pipeline: str | None = None,
+    export_names: str = DIFFUSERS_EXPORT_NAMES,
+) -> ModelNames:
+    """The runtime names of the transformer in ``directory`` from vLLM-Omni's ``class_name``
+    (``pipeline`` says which model folder to look in first): ``tensors`` are its tensors as the BF16
+    original holds them (name -> safetensors dtype, shape), ``provider`` is
+    :func:`vllm_omni_mxfp4.models.derive_names` or a stand-in. A failure of the class's code is a
+    :class:`CheckpointError` naming the directory and the class."""
+    try:
+        data = provider(pipeline, class_name, dict(config), dict(tensors))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # the provider runs vLLM-Omni's model code
+        raise CheckpointError(
+            f"{directory}: cannot derive the runtime names of {class_name!r} from vLLM-Omni "
+            f"({type(exc).__name__}: {exc}); the checkpoint must be that class's (config.json _class_name), "
+            "and vLLM-Omni the version that will serve it"
+        ) from exc
+    return ModelNames.from_dict(data, export_names)
+
+
 def names_of_class(
     directory: Path,
     config: Mapping[str, Any],
@@ -397,23 +424,12 @@ def names_of_class(
     provider: Callable[..., dict],
     pipeline: str | None = None,
 ) -> ModelNames:
-    """The runtime names of the transformer in ``directory`` from vLLM-Omni's class (``config``'s
-    ``_class_name``; ``pipeline`` says which model folder to look in first): ``tensors`` are its
-    tensors as the BF16 original holds them (name -> safetensors dtype, shape), ``provider`` is
-    :func:`vllm_omni_mxfp4.models.derive_names` or a stand-in. Every tensor must be one the class
-    loads. Any failure is a :class:`CheckpointError` naming the directory and the class."""
-    class_name = str(config.get("_class_name"))
-    try:
-        data = provider(pipeline, class_name, dict(config), dict(tensors))
-    except CheckpointError:
-        raise
-    except Exception as exc:  # the provider runs vLLM-Omni's model code
-        raise CheckpointError(
-            f"{directory}: cannot tell which Linears vLLM-Omni's {class_name!r} (config.json _class_name) "
-            f"quantizes or fuses ({type(exc).__name__}: {exc}); the checkpoint must be that class's, and "
-            "vLLM-Omni the version that serves it"
-        ) from exc
-    names = ModelNames.from_dict(data, DIFFUSERS_EXPORT_NAMES)
+    """:func:`derived_model_names` of ``config``'s ``_class_name``, every one of ``tensors`` being one
+    the class loads (a :class:`CheckpointError` naming the tensor otherwise): the names convert and
+    load-time requantization use for a class without a fixed table."""
+    names = derived_model_names(
+        directory, str(config.get("_class_name")), config, tensors, provider, pipeline
+    )
     for name in tensors:
         names.check_loaded(name, str(directory))
     return names

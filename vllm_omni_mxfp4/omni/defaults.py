@@ -11,13 +11,13 @@ layers in BF16. One INFO line per build says which layers and why.
 from __future__ import annotations
 
 import copy
-import functools
 import importlib
 import inspect
 import logging
 from typing import Any
 
 from ..config.defaults import FAMILY_DEFAULTS, FamilyDefault
+from .patching import wrap_once
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +70,4 @@ def install() -> None:
     """Wrap the constructor of every class with a family default; idempotent."""
     for default in FAMILY_DEFAULTS.values():
         cls = getattr(importlib.import_module(default.module), default.class_name)
-        original = cls.__init__
-        if getattr(original, _INSTALLED, False):
-            continue
-        wrapper = functools.wraps(original)(_applying(original, default))
-        setattr(wrapper, _INSTALLED, True)
-        cls.__init__ = wrapper
+        wrap_once(cls, "__init__", lambda original, default=default: _applying(original, default), _INSTALLED)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -38,6 +37,7 @@ import torch
 from ..config import SUPPORTED_METHODS
 from ..config.keys import METHOD_KEYS
 from ..config.names import check_component_names, check_model_names
+from .patching import wrap_once
 
 logger = logging.getLogger(__name__)
 
@@ -150,13 +150,8 @@ def engine_quant_config(spec: Any) -> Any:
 
 
 def _wrap(owner: Any, name: str, make: Any) -> None:
-    """Replace ``owner.name`` by ``make(original)`` once (marked, so a second install is a no-op)."""
-    original = getattr(owner, name)
-    if getattr(original, _INSTALLED, False):
-        return
-    wrapper = functools.wraps(original)(make(original))
-    setattr(wrapper, _INSTALLED, True)
-    setattr(owner, name, wrapper)
+    """:func:`~.patching.wrap_once` with this module's marker."""
+    wrap_once(owner, name, make, _INSTALLED)
 
 
 def _checking_validate(original: Any, wan: type) -> Any:

@@ -59,6 +59,7 @@ from ..sources.nvfp4 import (
     parse_quant_config,
     read_checkpoint_headers,
 )
+from .patching import wrap_once
 
 logger = logging.getLogger(__name__)
 
@@ -349,18 +350,9 @@ def install() -> None:
         pipeline_wan2_2_i2v.Wan22I2VPipeline,
         pipeline_wan2_2_vace.Wan22VACEPipeline,
     ):
-        original = pipeline._create_transformer
-        if getattr(original, _INSTALLED, False):
-            continue
-        wrapper = functools.wraps(original)(_planning_create(original))
-        setattr(wrapper, _INSTALLED, True)
-        pipeline._create_transformer = wrapper
+        wrap_once(pipeline, "_create_transformer", _planning_create, _INSTALLED)
     for module in (registry, diffusers_loader):  # the loader imported the function by name
-        original = module.initialize_model
-        if not getattr(original, _INSTALLED, False):
-            wrapper = functools.wraps(original)(_planning_initialize(original))
-            setattr(wrapper, _INSTALLED, True)
-            module.initialize_model = wrapper
+        wrap_once(module, "initialize_model", _planning_initialize, _INSTALLED)
 
 
 # ------------------------------------------------------------------------------- conversion

@@ -17,10 +17,11 @@ them.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Iterator
 from typing import Any
+
+from .patching import wrap_once
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +75,4 @@ def install() -> None:
     ``create_transformers_model`` in its own module at call time); idempotent."""
     from vllm_omni.diffusion.models import utils
 
-    original = utils.recursive_replace_linear
-    if getattr(original, _INSTALLED, False):
-        return
-    wrapper = functools.wraps(original)(_bf16_under_ours(original))
-    setattr(wrapper, _INSTALLED, True)
-    utils.recursive_replace_linear = wrapper
+    wrap_once(utils, "recursive_replace_linear", _bf16_under_ours, _INSTALLED)
