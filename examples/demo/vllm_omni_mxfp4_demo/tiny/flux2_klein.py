@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .cache import cache_root, cached_build, content_key
-from .parts import bf16, qwen2_tokenizer, seeded, vocab_size
+from .parts import bf16, qwen3_text_encoder, seeded
 
 SEED = 0
 _BUILDER_VERSION = 1
@@ -79,19 +79,12 @@ def _build_into(out_dir: Path) -> None:
         Flux2KleinPipeline,
         Flux2Transformer2DModel,
     )
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = qwen2_tokenizer(TOKENIZER_MAX_LENGTH)
-    config = Qwen3Config(
-        **TEXT_ENCODER_CONFIG,
-        vocab_size=vocab_size(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    tokenizer, text_encoder = qwen3_text_encoder(TEXT_ENCODER_CONFIG, TOKENIZER_MAX_LENGTH, SEED + 1)
     pipeline = Flux2KleinPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
         vae=seeded(SEED, lambda: AutoencoderKLFlux2(**VAE_CONFIG).eval()),
-        text_encoder=seeded(SEED + 1, lambda: bf16(Qwen3ForCausalLM(config))),
+        text_encoder=text_encoder,
         tokenizer=tokenizer,
         transformer=seeded(SEED + 2, lambda: bf16(Flux2Transformer2DModel(**TRANSFORMER_CONFIG))),
     )

@@ -99,3 +99,19 @@ def byt5_tokenizer() -> Any:
     from transformers import ByT5Tokenizer
 
     return ByT5Tokenizer()
+
+
+def qwen3_text_encoder(config: dict[str, Any], max_length: int, seed: int) -> tuple[Any, Any]:
+    """(tokenizer, BF16 ``Qwen3ForCausalLM``) of a Qwen3 text encoder (FLUX.2-klein's, Z-Image's):
+    the in-memory Qwen2 tokenizer and a model of ``config`` whose vocabulary and special ids are the
+    tokenizer's, its random weights drawn under ``seed``."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = qwen2_tokenizer(max_length)
+    qwen3 = Qwen3Config(
+        **config,
+        vocab_size=vocab_size(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return tokenizer, seeded(seed, lambda: bf16(Qwen3ForCausalLM(qwen3)))

@@ -21,7 +21,7 @@ from typing import Any
 
 from .cache import cache_root, cached_build, content_key
 from .flux import VAE_CONFIG
-from .parts import bf16, qwen2_tokenizer, seeded, vocab_size
+from .parts import bf16, qwen3_text_encoder, seeded
 
 SEED = 0
 _BUILDER_VERSION = 1
@@ -67,19 +67,12 @@ def _build_into(out_dir: Path) -> None:
         ZImagePipeline,
         ZImageTransformer2DModel,
     )
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = qwen2_tokenizer(TOKENIZER_MAX_LENGTH)
-    config = Qwen3Config(
-        **TEXT_ENCODER_CONFIG,
-        vocab_size=vocab_size(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    tokenizer, text_encoder = qwen3_text_encoder(TEXT_ENCODER_CONFIG, TOKENIZER_MAX_LENGTH, SEED + 1)
     pipeline = ZImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
         vae=seeded(SEED, lambda: AutoencoderKL(**VAE_CONFIG).eval()),
-        text_encoder=seeded(SEED + 1, lambda: bf16(Qwen3ForCausalLM(config))),
+        text_encoder=text_encoder,
         tokenizer=tokenizer,
         transformer=seeded(SEED + 2, lambda: bf16(ZImageTransformer2DModel(**TRANSFORMER_CONFIG))),
     )
