@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support import msmodelslim_hw_rules as hw
-from tests.support import qwen_image
+from tests.support import msmodelslim_sd, qwen_image
 from vllm_omni_mxfp4.checkpoint import CheckpointError, merge
 
 from ..formats.reference import CODE_VALUES
@@ -53,7 +53,7 @@ def recipe(tmp_path_factory):
     model = qwen_image.run_recipe(original, export)
     reference = qwen_image.reference_forward(model)
     modules = qwen_image.quantized_linears(model)
-    linears = {name: _msmodelslim_weight(module) for name, module in modules.items()}
+    linears = {name: msmodelslim_sd.deployed_weight(module) for name, module in modules.items()}
     report = merge("auto", original, export, merged)
     return dict(
         original=original,
@@ -64,30 +64,6 @@ def recipe(tmp_path_factory):
         modules=modules,
         report=report,
     )
-
-
-def _msmodelslim_weight(module: torch.nn.Module) -> torch.Tensor:
-    """The weight msModelSlim's own fake-quant Linear multiplies by: its forward, with F.linear captured."""
-    import msmodelslim.ir.w4a4_mx_dynamic_dualscale as ir
-
-    seen = {}
-
-    class _Capture:
-        def __getattr__(self, name):
-            return getattr(torch.nn.functional, name)
-
-        @staticmethod
-        def linear(x, weight, bias=None):
-            seen["weight"] = weight.detach().clone()
-            return x @ weight.to(x.dtype).T
-
-    functional, ir.F = ir.F, _Capture()
-    try:
-        with torch.no_grad():
-            module(torch.ones(1, module.weight.shape[-1], dtype=torch.float32))
-    finally:
-        ir.F = functional
-    return seen["weight"]
 
 
 def _merged(directory):

@@ -26,12 +26,13 @@ vLLM-Omni too, so every quantized Linear is msModelSlim's deployed fake-quant mo
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from pathlib import Path
 
 import torch
+
+from . import msmodelslim_sd
 
 RECIPE = "qwen_image_edit/qwen-image-edit-w4a4f4-mxfp.yaml"
 MODEL_TYPE = "Qwen-Image-Edit-2509"
@@ -100,18 +101,8 @@ def run_recipe(original: Path, save_path: Path) -> torch.nn.Module:
     returns msModelSlim's in-memory quantized transformer."""
     import yaml
     from diffusers import QwenImageTransformer2DModel
-    from msmodelslim.core.const import DeviceType
-    from msmodelslim.core.context.context_factory import ContextFactory
-    from msmodelslim.core.quant_service.multimodal_sd_v1 import quant_service
-    from msmodelslim.core.quant_service.multimodal_sd_v1.quant_config import (
-        MultimodalSDModelslimV1QuantConfig,
-    )
-    from msmodelslim.core.quant_service.multimodal_sd_v1.quant_service import (
-        MultimodalSDModelslimV1QuantService,
-    )
     from msmodelslim.model.qwen_image_edit.model_adapter import QwenImageEditModelAdapter
 
-    config = MultimodalSDModelslimV1QuantConfig.model_validate(yaml.safe_load(recipe_path().read_text()))
     adapter = QwenImageEditModelAdapter(MODEL_TYPE, original)
 
     def load_pipeline() -> None:  # the adapter's _load_pipeline without the repository import and pipeline
@@ -120,19 +111,7 @@ def run_recipe(original: Path, save_path: Path) -> torch.nn.Module:
         )
 
     adapter.load_pipeline = load_pipeline
-    save_path.mkdir(parents=True)
-    service = MultimodalSDModelslimV1QuantService(None, None, ContextFactory())
-    cwd = os.getcwd()
-    runner = quant_service.LayerWiseRunner
-    try:  # the adapter's argument parsing creates its default output_dir in the working directory
-        os.chdir(save_path.parent)
-        # The service's runner offloads each saved block to the meta device (memory); offloaded to
-        # the CPU instead, msModelSlim's quantized model stays usable as the reference.
-        quant_service.LayerWiseRunner = functools.partial(runner, offload_device="cpu")
-        service.quant_process(config, adapter, save_path, DeviceType.CPU)
-    finally:
-        quant_service.LayerWiseRunner = runner
-        os.chdir(cwd)
+    msmodelslim_sd.run_service(yaml.safe_load(recipe_path().read_text()), adapter, save_path)
     return adapter.transformer
 
 
