@@ -1,11 +1,13 @@
 """Serving an NVFP4 checkpoint with ``mxfp4``: requantization while the weights load.
 
-When a Wan expert (``transformer``, ``transformer_2``) is built with one of our configs and its
-directory holds an NVFP4 checkpoint (:func:`~vllm_omni_mxfp4.sources.nvfp4.detect_nvfp4`: every
-producer form, failing closed with the layer named), three things change (docs/nvfp4.md,
-"Serving an NVFP4 checkpoint"):
+When a transformer (a Wan expert, ``transformer`` / ``transformer_2``, or any other pipeline's
+``transformer``) is built with one of our configs and its directory holds an NVFP4 checkpoint
+(:func:`~vllm_omni_mxfp4.sources.nvfp4.detect_nvfp4`: every producer form, failing closed with the
+layer named), three things change (docs/nvfp4.md, "Serving an NVFP4 checkpoint"):
 
-1. **Build** (:func:`install` wraps the Wan pipelines' ``_create_transformer``): the producer's
+1. **Build** (:func:`install` wraps the Wan pipelines' ``_create_transformer`` and, for every other
+   pipeline, vLLM-Omni's ``initialize_model``, whose layer names come from the class itself,
+   :func:`_class_names`): the producer's
    ``quantization_config`` is set aside (vLLM-Omni would refuse it as another method), and while the
    expert is built :func:`current_plan` gives its :class:`Nvfp4Plan`, which ``get_quant_method``
    consults: a Linear whose checkpoint layers are NVFP4 gets the offline ``mxfp4`` method (the
