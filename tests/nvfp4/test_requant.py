@@ -229,16 +229,77 @@ def test_mse_picks_each_neighbour_where_it_wins() -> None:
     assert torch.equal(result.data, pack_fp4(torch.tensor(elems, dtype=torch.uint8).reshape(2, 32)))
 
 
-def test_worker_threads_give_the_single_thread_result_and_restore_the_thread_count() -> None:
+def test_mse_scores_the_lower_neighbour_wherever_its_gain_bound_allows_a_win() -> None:
+    """``e0 - 1`` is scored only where the block's gain bound (the tables' per-element steps of
+    1/GAIN_UNIT, rounded up) exceeds the least it loses at the maximum (module docstring). Blocks
+    built at that edge (a maximum of 4.125 or 4.3125 next to many elements on ``e0 - 1``'s finer
+    grid, 0.25 and 0.75 of the block scale, where the gain is largest) win with ``e0 - 1``, lose
+    with it, or tie, and every one equals comparing all three exactly (the scalar reference)."""
+    gen = torch.Generator().manual_seed(5)
+    n = 1200
+    fine = torch.tensor([1, 3, 9, 11, 1, 3, 0, 2], dtype=torch.uint8)  # +-0.5, +-1.5 (x 0.5: 0.25, 0.75)
+    near = torch.tensor([0, 1, 2, 2, 2, 10, 9], dtype=torch.uint8)  # 0, +-0.5, +-1 next to the 6.0
+    low = fine[torch.randint(0, len(fine), (n, 16), generator=gen)]
+    high = near[torch.randint(0, len(near), (n, 16), generator=gen)]
+    high[:, 0] = 7
+    scale_low = torch.tensor([0.5, 0.5, 0.5, 0.46875, 0.53125])[torch.randint(0, 5, (n,), generator=gen)]
+    scale_high = torch.tensor([0.6875, 0.6875, 0.71875])[torch.randint(0, 3, (n,), generator=gen)]
+    scales = torch.stack((scale_low, scale_high), 1).to(torch.float8_e4m3fn)
+    w = Nvfp4Weight(pack_fp4(torch.cat((low, high), 1)), scales, torch.tensor(1.0))
+    blocks = rows_of_blocks(dequantize_nvfp4(w))
+    want = [reference.mse_code(b) for b in blocks]
+    result = requantize_nvfp4(w, "mse")
+    assert result.scale.flatten().tolist() == want
+    lower = [c == reference.floor_code(max(map(abs, b))) - 1 for b, c in zip(blocks, want)]
+    assert 20 < sum(lower) < n - 20  # both outcomes, near the bound
+    elems = [c for b, code in zip(blocks, want) for c in reference.mx_codes(b, code)]
+    assert torch.equal(result.data, pack_fp4(torch.tensor(elems, dtype=torch.uint8).reshape(n, 32)))
+
+
+def test_gain_bounds_hold_for_every_scale_byte_slot_and_code() -> None:
+    """The per-element gain bound of the ``mse`` tables, in steps of 1/GAIN_UNIT of the block scale
+    squared, is at least what the element's squared error drops from a slot's exponent to the one
+    below and less than one step above it, recomputed in Python floats for every E4M3 byte, every
+    slot and code, under three global scales."""
+    from vllm_omni_mxfp4.formats import requant
+
+    used = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    for g in (1.0, 0.0123, 37.0):
+        scales = used.view(torch.float8_e4m3fn)
+        values = dequantize_nvfp4(
+            Nvfp4Weight(
+                pack_fp4(torch.arange(16, dtype=torch.uint8).expand(len(used), 16)),
+                scales.view(-1, 1),
+                torch.tensor(g),
+            )
+        )
+        natural = requant.shared_exponent_codes(values[:, 7].abs(), "floor")
+        _, err = requant._element_tables(values, natural)
+        units = requant._gain_units(err, natural)
+        for i, byte in enumerate(used.tolist()):
+            for slot in range(1, len(requant.SHIFTS)):
+                code = int(natural[i]) + requant.SHIFTS[slot]
+                if not 1 <= code <= 254:
+                    continue
+                for c in range(16):
+                    x = reference.nvfp4_element(c, byte, g, "exact")
+                    drops = [reference.block_sse([x], k) for k in (code, code - 1)]
+                    bound = (drops[0] - drops[1]) / 4.0 ** (code - 127) * requant.GAIN_UNIT
+                    got = int(units[i, slot, c])
+                    assert got >= bound and got < max(bound, 0.0) + 1 + 1e-6, (g, byte, slot, c, got, bound)
+
+
+def test_worker_threads_give_the_single_thread_result_and_restore_the_thread_count(monkeypatch) -> None:
     """On the CPU the row chunks are spread over worker threads running single-threaded ops; the
     bytes and the report do not depend on it, and torch's thread count is what it was, also for
     threads started afterwards."""
     import threading
 
-    from vllm_omni_mxfp4.formats import nvfp4
+    from vllm_omni_mxfp4.formats import nvfp4, requant
 
+    monkeypatch.setattr(requant, "CHUNK_ELEMENTS", 1 << 16)
     w = random_weight(384, 2048, seed=13)
-    assert len(list(nvfp4.row_slices(384, 2048))) > 2
+    assert len(list(nvfp4.row_slices(384, 2048, requant.CHUNK_ELEMENTS))) > 2
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

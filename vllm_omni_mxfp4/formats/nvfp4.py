@@ -135,9 +135,9 @@ def _byte_values(device: torch.device) -> torch.Tensor:
     return e2m1_decode(pairs).to(device)
 
 
-def row_slices(rows: int, k: int) -> Iterator[slice]:
-    """Consecutive row ranges of about :data:`CHUNK_ELEMENTS` elements each (at least one row)."""
-    step = max(1, CHUNK_ELEMENTS // max(k, 1))
+def row_slices(rows: int, k: int, elements: int = CHUNK_ELEMENTS) -> Iterator[slice]:
+    """Consecutive row ranges of about ``elements`` elements each (at least one row)."""
+    step = max(1, elements // max(k, 1))
     for start in range(0, rows, step):
         yield slice(start, min(start + step, rows))
 

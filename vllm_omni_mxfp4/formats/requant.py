@@ -13,17 +13,20 @@ unchanged. The exponent rule is selectable:
   clamped to 0..254) the one whose quantize-dequantize has the least squared error against the
   float32 block. The set holds every code ``floor``, ``even`` and ``rceil`` can give (``e0`` or
   ``e0 + 1``), so ``mse`` is never worse than any of them on any block. Ties go to ``e0``.
-  Only two of the three need computing (:func:`_mse_codes`): with ``a`` = block max / 2^e0 in
-  [4, 8), ``e0 + 1`` can only win when ``a > 6`` (below, ``e0``'s grid holds ``e0 + 1``'s on
-  [0, 6 * 2^e0], so no element gets closer) and ``e0 - 1`` only when ``a < 4.47`` (it saturates the
-  maximum at 3 * 2^e0, losing at least ``2a - 7`` in units of 4^e0, while it can gain at most
-  1/16 on each of the other 31 elements, where its grid is finer). Closer: ``e0 + 1`` gains only
-  on elements above 7 * 2^e0 (on (6, 7] both round to 6 * 2^e0), so it can only win when
-  ``a > 7``. A block is therefore requantized at ``e0`` (as ``floor`` would), and only the blocks with
-  ``a >= 7`` (``e0 + 1``) or ``a <= 4.46875`` (``e0 - 1``, when ``e0 > 0``; 2a - 7 < 1.9375 needs
-  ``a < 4.46875``) are scored at their one other candidate and switched where it is strictly better
-  (:func:`_mse_codes`): the same codes as comparing all three, for about 1.4x ``floor``'s work
-  (``bench/requant.py``).
+  Only two of the three need computing: with ``a`` = block max / 2^e0 in [4, 8), ``e0 + 1`` can
+  only win when ``a > 6`` (below, ``e0``'s grid holds ``e0 + 1``'s on [0, 6 * 2^e0], so no element
+  gets closer); closer, it gains only on elements above 7 * 2^e0 (on (6, 7] both round to
+  6 * 2^e0), so it can only win when ``a >= 7``. ``e0 - 1`` saturates the maximum at 3 * 2^e0,
+  losing at least ``2a - 7 >= 1`` in units of 4^e0, and is finer than ``e0`` only below 2^e0, where
+  an element gains at most 1/16 (``e0``'s error there is at most 1/4); so it can only win when
+  ``a <= 4.46875`` (31 elements gain at most 1.9375) and, sharper, when the block's elements can
+  gain more than 1 in all. The tables hold, per element, an upper bound of that gain in steps of
+  1/:data:`GAIN_UNIT`, rounded up, and a block's sum comes with its output bytes. A block is
+  therefore requantized at ``e0`` (as ``floor`` would), and only the blocks with ``a >= 7``
+  (``e0 + 1``) or with ``a <= 4.46875``, ``e0 > 0`` and a gain bound above 1 (``e0 - 1``) are scored
+  at their one other candidate and switched where it is strictly better (:func:`_switch_where_better`):
+  the same codes as comparing all three. On real weights the second kind is almost empty, and
+  ``mse`` costs about 1.25x ``floor`` (``bench/requant.py``).
   A block ``floor`` reproduces exactly keeps ``floor``'s bytes, so lossless round trips give back
   the original MXFP4 bytes.
 
@@ -32,17 +35,19 @@ E4M3 scale byte, the global scale and the block exponent, and within a 16-elemen
 exponent matters only through its offset ``d`` from the half's own natural exponent, which can
 only take a few values (:data:`SHIFTS`). So one set of tables per global-scale value and the scale
 bytes the layer uses, built with the exact dequant and :func:`~.e2m1.e2m1_encode` themselves, maps
-``(scale byte, d, input byte)`` to the output byte, its squared error and its largest error;
-requantizing a layer is then table gathers over its bytes, in row chunks (on the CPU spread over
-worker threads, :func:`_in_workers`). The tests check the result against an independent float64
-reference and against ``quantize_mx`` of the float32 dequant; ``bench/requant.py`` measures it
-against BF16 -> MXFP4 quantization.
+``(scale byte, d, input byte)`` to one int32 entry (the output byte, whether it is exact, its
+``mse`` gain bound) and to its squared and largest error; requantizing a layer is then one table
+gather over its bytes, in row chunks (on the CPU spread over worker threads, :func:`_in_workers`).
+The error report needs no per-element work: each chunk counts how often each table entry was used
+(one ``bincount``), and the squared error, the input's energy and the largest error of the layer
+are read off the tables with those counts. The tests check the result against an independent
+float64 reference and against ``quantize_mx`` of the float32 dequant; ``bench/requant.py``
+measures it against BF16 -> MXFP4 quantization.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,16 +65,30 @@ REQUANT_RULES = spec.REQUANT_RULES
 
 MX_BLOCK = spec.MX_BLOCK
 HALF = spec.NVFP4_BLOCK
-SHIFTS = tuple(range(-6, 8))
+SHIFTS = tuple(range(-6, 6))
 """Offsets ``d`` = block exponent - the half's natural exponent (the ``floor`` code of 6 * s * g).
 A block exponent is at least ``floor(amax) - 1`` and a nonzero half's amax is at least 1/12 of its
-6 * s * g, so ``d >= -5``; the half's elements are below 2^(3 - d) times the block scale, so from
-``d = 5`` on all of them round to +-0: larger offsets are looked up at ``d = 5``, and the slots
-above it let ``mse``'s upper candidate always be the next slot."""
-TOP = SHIFTS.index(5)
+6 * s * g, so ``d >= -5`` (``-6`` is there for ``mse``'s lower candidate); the half's elements are
+below 2^(3 - d) times the block scale, so from ``d = 5`` on all of them round to +-0: larger
+offsets are looked up at ``d = 5`` (:data:`TOP`)."""
+TOP = len(SHIFTS) - 1
 SLOTS = len(SHIFTS) + 1
 ZEROED = len(SHIFTS)
 """The last slot: FLOOR's zeroed blocks (code 0)."""
+GAIN_UNIT = 128
+"""``mse``'s lower candidate ``e0 - 1`` is scored only where the block's bound on what it can gain
+exceeds one unit of the block scale squared (module docstring); the bound is kept per element in
+steps of 1 / GAIN_UNIT, rounded up, so at most GAIN_UNIT / 16 + 1 per element."""
+MAX_ELEMENT_UNITS = GAIN_UNIT // 16 + 1
+INEXACT = 512
+"""Weight of an inexact byte in a block's flag sum: above any block's gain units (32 x 9 = 288)."""
+CHUNK_ELEMENTS = 1 << 20
+"""Weights per row chunk. A chunk's temporaries (about 14 bytes a weight: int32 byte indices and
+table entries) outgrow the cache, but the ops stream through them, and larger chunks mean fewer
+ops: per-op dispatch, under the GIL, is what bounds the worker threads (``bench/requant.py``)."""
+FLAG_SHIFT = 16
+"""Where a table entry's flags start: a block's 16 output bytes sum below 2^16, so one int32 sum
+over the block's entries carries its flag sum unmixed above them."""
 
 
 @dataclass(frozen=True)
@@ -118,12 +137,14 @@ class _Tables:
     with the block maximum, so a block's code is the larger of its halves' (no float maximum, no
     rule per block). For ``mse`` the entry is ``floor code * 4 + side``, ``side`` 2 when the
     maximum is at least 7 * 2^(code - 127) (``e0 + 1`` may win), 0 when it is at most 4.46875 *
-    2^(code - 127) and the code is not 0 (``e0 - 1`` may win), else 1; ``side`` grows with the maximum, so the
-    larger of a block's two entries also says which neighbour of ``e0`` to score (module docstring). ``natural`` (rows,): the half's natural exponent. ``out`` / ``sse`` / ``ref2``
-    (rows, slots, 256 bytes): of a byte, int64 ``largest |error| << 8 | output byte`` (the float32
-    bits of a non-negative error order as the floats do, so one gather gives the byte and the
-    layer's largest error is the maximum of the gathered values, shifted), float64 squared error and
-    float64 sum of squares of the input (the same in every slot, so one index serves all three).
+    2^(code - 127) and the code is not 0 (``e0 - 1`` may win), else 1; ``side`` grows with the
+    maximum, so the larger of a block's two entries also says which neighbour of ``e0`` to score
+    (module docstring). ``natural`` (rows,): the half's natural exponent.
+
+    Per (row, slot, input byte), flat so that one int32 index serves them all: ``out`` int32, the
+    output byte plus, from bit :data:`FLAG_SHIFT`, flags (one gather gives both): :data:`INEXACT`
+    if either element is inexact, plus, for ``mse``, the byte's gain units (module docstring); ``sse`` float64 squared error; ``max_err`` float32 largest |error|. ``ref2``
+    (rows, 256): float64 sum of squares of the input byte's two elements.
     """
 
     remap: torch.Tensor
@@ -131,18 +152,44 @@ class _Tables:
     natural: torch.Tensor
     out: torch.Tensor
     sse: torch.Tensor
+    max_err: torch.Tensor
     ref2: torch.Tensor
+
+    @property
+    def entries(self) -> int:
+        """Number of (row, slot, byte) entries: the range of a byte index."""
+        return self.out.numel()
+
+
+def _codes_of_slots(natural: torch.Tensor) -> torch.Tensor:
+    """int32 E8M0 codes ``(rows, len(SHIFTS))`` of every (table row, slot) but the zeroed one."""
+    return (natural.unsqueeze(1) + torch.tensor(SHIFTS, dtype=torch.int32)).clamp(0, 254)
 
 
 def _element_tables(values: torch.Tensor, natural: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """E2M1 codes and float32 errors ``(rows, slots, 16)`` of every (scale byte, slot, code)."""
-    shift = torch.tensor(SHIFTS, dtype=torch.int32)
-    code = (natural.unsqueeze(1) + shift).clamp(0, 254).unsqueeze(-1)  # (rows, shifts, 1)
+    code = _codes_of_slots(natural).unsqueeze(-1)  # (rows, shifts, 1)
     x = values.unsqueeze(1)  # (rows, 1, 16)
     q = e2m1_encode(x * e8m0_to_float(254 - code))  # x * 2^(127 - code), exact
     err = e2m1_decode(q) * e8m0_to_float(code) - x
     q_zero = e2m1_encode(x * 0.0)  # FLOOR's code 0 zeroes the block, keeping each sign
     return torch.cat((q, q_zero), dim=1), torch.cat((err, -x), dim=1)
+
+
+def _gain_units(err: torch.Tensor, natural: torch.Tensor) -> torch.Tensor:
+    """int32 ``(rows, slots, 16)``: per element, an upper bound, in 1 / :data:`GAIN_UNIT` of the
+    block scale squared, of what its squared error drops from a slot's exponent to the one below
+    (0 where it does not drop). At most :data:`MAX_ELEMENT_UNITS` (a drop is at most 1/16: module
+    docstring); slot 0 has no slot below and is never a block's ``e0`` slot, the zeroed slot is
+    not ``mse``'s: both get 0."""
+    e = err[:, : len(SHIFTS)].double().square()
+    scale = torch.exp2(-2.0 * (_codes_of_slots(natural)[:, 1:] - 127).double()).unsqueeze(-1)
+    drop = (e[:, 1:] - e[:, :-1]) * scale
+    units = torch.where(drop > 0, torch.floor(drop * GAIN_UNIT * (1 + 2.0**-20)) + 1, 0.0)
+    if float(units.max()) > MAX_ELEMENT_UNITS:  # would overflow a block's flag sum into the inexact count
+        raise RuntimeError("internal: an element's error drop exceeds 1/16 of the block scale squared")
+    zero = torch.zeros_like(units[:, :1])
+    return torch.cat((zero, units, zero), dim=1).int()
 
 
 def _bytes(low: torch.Tensor, high: torch.Tensor, op) -> torch.Tensor:
@@ -165,7 +212,7 @@ def _half_codes(values: torch.Tensor, rule: str) -> torch.Tensor:
 def _check_range(name: str, used: torch.Tensor, values: torch.Tensor, natural: torch.Tensor) -> None:
     """Refuse scale bytes whose 6 * s * g is nonzero but below 2^-124 or at least 2^123: a slot's
     code would leave 0..254 there, and the tables do not hold."""
-    bad = ((natural == 0) & (values[:, 7] != 0)) | (natural > 254 - SHIFTS[-1])
+    bad = ((natural == 0) & (values[:, 7] != 0)) | (natural > 247)  # 6 * s * g >= 2^123
     if bool(bad.any()):
         byte = int(used[bad.nonzero()[0, 0]])
         raise ValueError(
@@ -179,7 +226,7 @@ def _tables(
 ) -> _Tables:
     """The tables of global scale ``g`` (a multiplier, or a divisor with ``divides``) for the scale
     bytes ``used`` (uint8, CPU), built with the exact dequant of every (scale byte, code) pair. About
-    80 kB per byte used, built per call in a few milliseconds and not cached:
+    60 kB per byte used, built per call in a few milliseconds and not cached:
     every layer has its own global scale."""
     rows = used.numel()
     codes = pack_fp4(torch.arange(16, dtype=torch.uint8).expand(rows, 16))
@@ -188,14 +235,19 @@ def _tables(
     natural = shared_exponent_codes(values[:, 7].abs(), "floor")
     _check_range(name, used, values, natural)
     q, err = _element_tables(values, natural)
+    inexact = (err != 0).int()
+    flags = _bytes(inexact, inexact, torch.bitwise_or) * INEXACT
+    if rule == "mse":
+        units = _gain_units(err, natural)
+        flags += _bytes(units, units, torch.add)
+    out = _bytes(q, q << 4, torch.bitwise_or).int() | (flags << FLAG_SHIFT)
     e2, a, v2 = err.double().square(), err.abs(), values.double().square()
-    max_err = _bytes(a, a, torch.maximum).view(torch.int32).long()
-    out = (max_err << 8) | _bytes(q, q << 4, torch.bitwise_or)
-    sse = _bytes(e2, e2, torch.add)
-    ref2 = _bytes(v2, v2, torch.add).unsqueeze(1).expand(sse.shape).contiguous()
     remap = torch.zeros(256, dtype=torch.int32)
     remap[used.long()] = torch.arange(rows, dtype=torch.int32)
-    tables = (remap, _half_codes(values[:, :8], rule), natural, out, sse, ref2)
+    tables = (
+        remap, _half_codes(values[:, :8], rule), natural, out.reshape(-1),
+        _bytes(e2, e2, torch.add).reshape(-1), _bytes(a, a, torch.maximum).reshape(-1), _bytes(v2, v2, torch.add),
+    )  # fmt: skip
     return _Tables(*(t.to(device) for t in tables))
 
 
@@ -215,64 +267,66 @@ def _block_codes(t: _Tables, data: torch.Tensor, row: torch.Tensor) -> torch.Ten
     return _gather(t.half_codes, row * 8 + mag).reshape(row.shape[0], -1, 2).amax(dim=-1)
 
 
-def _slot_index(row: torch.Tensor, slot: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-    """int32 flat table index ``(R, 2G, 8)`` of every byte (``data`` uint8) of halves whose table
-    rows and slots are ``row`` / ``slot`` ``(R, 2G)``."""
-    return ((row * SLOTS + slot) * 256).unsqueeze(-1) + data
-
-
 def _slots(code: torch.Tensor, natural: torch.Tensor) -> torch.Tensor:
     """int32 slots ``(R, 2G)`` of the halves (natural exponents ``natural``) of blocks with E8M0
     codes ``code`` ``(R, G)``: slots from :data:`TOP` on all give zeros, so they clamp there."""
     return (code.repeat_interleave(2, dim=1) - natural - SHIFTS[0]).clamp_(0, TOP)
 
 
-def _block_sse(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``(R, G)`` sum over each block of ``table`` at the byte indices ``index`` ``(R, 2G, 8)``."""
-    return _gather(table, index).reshape(index.shape[0], -1, MX_BLOCK // 2).sum(dim=-1)
+def _byte_index(row: torch.Tensor, slot: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """int32 flat table index ``(R, 2G, 8)`` of every byte (``data`` uint8) of halves whose table
+    rows and slots are ``row`` / ``slot`` ``(R, 2G)``."""
+    return data.int().add_(((row * SLOTS + slot) * 256).unsqueeze(-1))
 
 
-def _mse_codes(t: _Tables, row: torch.Tensor, natural: torch.Tensor, data: torch.Tensor, key: torch.Tensor):
-    """The ``mse`` rule: int32 codes ``(R, G)``, the ``e0`` byte indices (what the error report's
-    input energy needs), block errors (float64) and :attr:`_Tables.out` entries of the result.
-
-    ``key`` = the blocks' :attr:`_Tables.half_codes` entries: ``e0`` and which neighbour, if any,
-    may beat it (module docstring). Every block is requantized at ``e0``; the blocks with a
-    neighbour to score are gathered, scored there and switched where it is strictly better.
-    """
-    code, side = key >> 2, key & 3
-    index = _slot_index(row, _slots(code, natural), data)
-    sse, out = _block_sse(t.sse, index), _gather(t.out, index)
-    blocks = (side != 1).reshape(-1).nonzero().squeeze(1)
-    if blocks.numel():
-        _switch_where_better(t, row, natural, data, blocks, side, (code, sse, out))
-    return code, index, sse, out
-
-
-def _switch_where_better(t: _Tables, row, natural, data, blocks: torch.Tensor, side, result) -> None:
-    """Score ``blocks`` (flat block ids of the chunk) at their other candidate and write the ones it
-    improves strictly into ``result`` = (codes, block errors, out entries) in place."""
-    code, sse, out = result
-    halves = (blocks * 2).unsqueeze(1).add(torch.arange(2, device=blocks.device)).reshape(-1)
+def _switch_where_better(t: _Tables, blocks: torch.Tensor, side, natural, result) -> int:
+    """Score ``blocks`` (flat block ids of the chunk) at their other candidate (``side``: 2 above
+    ``e0``, 0 below) and write the ones it improves strictly into ``result`` = (codes ``(R, G)``,
+    slots ``(R, 2G)``, byte indices and :attr:`_Tables.out` entries ``(R, 2G, 8)``) in place.
+    Returns how many switched blocks are exact."""
+    code, slot, index, entries = result
     other = code.reshape(-1).index_select(0, blocks) + side.reshape(-1).index_select(0, blocks) - 1
-    rows = row.reshape(-1).index_select(0, halves).view(-1, 2)
-    slot = (other.unsqueeze(1) - natural.reshape(-1).index_select(0, halves).view(-1, 2) - SHIFTS[0]).clamp_(
-        0, TOP
+    halves = natural.reshape(-1, 2).index_select(0, blocks)
+    moved = (other.unsqueeze(1) - halves - SHIFTS[0]).clamp_(0, TOP) - slot.reshape(-1, 2).index_select(
+        0, blocks
     )
-    index = _slot_index(rows, slot, data.reshape(-1, 2, HALF // 2).index_select(0, blocks))
-    scored = _block_sse(t.sse, index).squeeze(1)
-    better = (scored < sse.reshape(-1).index_select(0, blocks)).nonzero().squeeze(1)
-    if better.numel():
-        switched = blocks.index_select(0, better)
-        sse.view(-1).index_copy_(0, switched, scored.index_select(0, better))
-        code.view(-1).index_copy_(0, switched, other.index_select(0, better))
-        entries = _gather(t.out, index.index_select(0, better)).reshape(-1, MX_BLOCK // 2)
-        out.view(-1, MX_BLOCK // 2).index_copy_(0, switched, entries)
+    at_e0 = index.reshape(-1, 2, HALF // 2).index_select(0, blocks)
+    at_other = at_e0 + (moved * 256).unsqueeze(-1)
+    before = _gather(t.sse, at_e0).reshape(-1, MX_BLOCK // 2).sum(dim=-1)
+    after = _gather(t.sse, at_other).reshape(-1, MX_BLOCK // 2).sum(dim=-1)
+    better = (after < before).nonzero().squeeze(1)
+    if not better.numel():
+        return 0
+    switched = blocks.index_select(0, better)
+    code.view(-1).index_copy_(0, switched, other.index_select(0, better))
+    chosen = at_other.index_select(0, better).reshape(-1, MX_BLOCK // 2)
+    index.view(-1, MX_BLOCK // 2).index_copy_(0, switched, chosen)
+    entries.view(-1, MX_BLOCK // 2).index_copy_(0, switched, _gather(t.out, chosen))
+    return int((after.index_select(0, better) == 0).sum())
+
+
+@dataclass
+class _Counts:
+    """One worker's tallies over its row chunks of one row group: how often each table entry was
+    used (the error report is computed from these and the tables), exact blocks, all blocks."""
+
+    entries: torch.Tensor
+    exact: int = 0
+    blocks: int = 0
+
+    def add(self, index: torch.Tensor, exact: int, blocks: int) -> None:
+        self.entries += torch.bincount(index.reshape(-1), minlength=self.entries.numel())
+        self.exact, self.blocks = self.exact + exact, self.blocks + blocks
+
+    def merge(self, other: _Counts) -> None:
+        """Add another worker's tallies."""
+        self.entries += other.entries
+        self.exact, self.blocks = self.exact + other.exact, self.blocks + other.blocks
 
 
 @dataclass
 class _ErrorSums:
-    """Running sums of the error report over row chunks (squares summed in float64)."""
+    """The error report's sums over the row groups (squares summed in float64)."""
 
     err2: float = 0.0
     ref2: float = 0.0
@@ -280,29 +334,24 @@ class _ErrorSums:
     exact: int = 0
     blocks: int = 0
 
-    def add(self, t: _Tables, index: torch.Tensor, sse: torch.Tensor, out: torch.Tensor) -> None:
-        """Add a chunk whose bytes were requantized through the table indices ``index``, with block
-        errors ``sse`` and :attr:`_Tables.out` entries ``out``."""
-        self.err2 += float(sse.sum())
-        self.ref2 += float(_gather(t.ref2, index).sum())
-        largest = struct.unpack("<f", struct.pack("<i", int(out.max()) >> 8))[0]
-        self.max_abs = max(self.max_abs, largest)
-        self.exact += int((sse == 0).sum())
-        self.blocks += sse.numel()
-
-    def merge(self, other: _ErrorSums) -> None:
-        """Add another worker's sums."""
-        self.err2, self.ref2 = self.err2 + other.err2, self.ref2 + other.ref2
-        self.max_abs = max(self.max_abs, other.max_abs)
-        self.exact, self.blocks = self.exact + other.exact, self.blocks + other.blocks
+    def add(self, t: _Tables, counts: _Counts) -> None:
+        """Add a row group requantized through ``t``, with the tallies ``counts``."""
+        used = counts.entries.double()
+        self.err2 += float(used @ t.sse)
+        self.ref2 += float((used.view(-1, SLOTS, 256).sum(dim=1) * t.ref2).sum())
+        largest = t.max_err[counts.entries > 0]
+        self.max_abs = max(self.max_abs, float(largest.max()) if largest.numel() else 0.0)
+        self.exact, self.blocks = self.exact + counts.exact, self.blocks + counts.blocks
 
     def report(self, name: str, rule: str) -> RequantError:
         rel = math.sqrt(self.err2 / self.ref2) if self.ref2 else math.sqrt(self.err2)
         return RequantError(name, rule, rel, self.max_abs, self.exact, self.blocks)
 
 
-def _requant_chunk(t: _Tables, codes: torch.Tensor, scales: torch.Tensor, rule: str, sums: _ErrorSums):
-    """MXFP4 ``(data (R, K/2), scale (R, G))`` of NVFP4 rows ``codes`` / scale bytes ``scales``."""
+def _requant_chunk(t: _Tables, codes: torch.Tensor, scales: torch.Tensor, rule: str, counts: _Counts):
+    """MXFP4 ``(data (R, K/2), scale (R, G))`` of NVFP4 rows ``codes`` / scale bytes ``scales``;
+    ``data`` is the :attr:`_Tables.out` entries, whose low byte the caller's uint8 copy keeps
+    (integer conversion to uint8 is modulo 256)."""
     r, half_k = codes.shape
     groups = spec.ceil_div(half_k * 2, MX_BLOCK)
     pad = groups * MX_BLOCK // 2 - half_k
@@ -311,18 +360,24 @@ def _requant_chunk(t: _Tables, codes: torch.Tensor, scales: torch.Tensor, rule: 
         codes = torch.nn.functional.pad(codes, (0, pad))
         row = torch.nn.functional.pad(row, (0, 1), value=int(t.remap[0]))
     data = codes.reshape(r, 2 * groups, HALF // 2)
-    code = _block_codes(t, data, row)
+    key = _block_codes(t, data, row)
     natural = _gather(t.natural, row)
+    code = key >> 2 if rule == "mse" else key
+    slot = _slots(code, natural)
+    if rule == "floor":  # quantize_mx's FLOOR: code 0 zeroes the block, keeping each sign
+        slot = torch.where((code == 0).repeat_interleave(2, dim=1), ZEROED, slot)
+    index = _byte_index(row, slot, data)
+    entries = _gather(t.out, index)
+    flags = entries.view(r, groups, MX_BLOCK // 2).sum(dim=-1) >> FLAG_SHIFT
+    exact = int((flags < INEXACT).sum())
     if rule == "mse":
-        code, index, sse, out = _mse_codes(t, row, natural, data, code)
-    else:
-        slot = _slots(code, natural)
-        if rule == "floor":  # quantize_mx's FLOOR: code 0 zeroes the block, keeping each sign
-            slot = torch.where((code == 0).repeat_interleave(2, dim=1), ZEROED, slot)
-        index = _slot_index(row, slot, data)
-        sse, out = _block_sse(t.sse, index), _gather(t.out, index)
-    sums.add(t, index, sse, out)
-    return out.reshape(r, -1)[:, :half_k].to(torch.uint8), code.to(torch.uint8)
+        side = key & 3
+        may_drop = (side == 0) & ((flags & (INEXACT - 1)) > GAIN_UNIT)
+        blocks = ((side == 2) | may_drop).reshape(-1).nonzero().squeeze(1)
+        if blocks.numel():
+            exact += _switch_where_better(t, blocks, side, natural, (code, slot, index, entries))
+    counts.add(index, exact, r * groups)
+    return entries.view(r, -1)[:, :half_k], code.to(torch.uint8)
 
 
 # ------------------------------------------------------------------------------------ public
@@ -354,9 +409,7 @@ def _used_bytes(scale_bytes: torch.Tensor) -> torch.Tensor:
     return count.nonzero().squeeze(1).to(device="cpu", dtype=torch.uint8)
 
 
-def _in_workers(
-    work: Callable[[list[slice]], _ErrorSums], chunks: list[slice], device: torch.device
-) -> _ErrorSums:
+def _in_workers(work: Callable[[list[slice]], _Counts], chunks: list[slice], device: torch.device) -> _Counts:
     """``work`` over ``chunks``, split across torch's intra-op thread count on the CPU.
 
     Each worker thread runs its share of the row chunks with single-threaded ops: the per-chunk
@@ -370,7 +423,7 @@ def _in_workers(
         return work(chunks)
     n = min(threads, len(chunks))
     shares = [chunks[i * len(chunks) // n : (i + 1) * len(chunks) // n] for i in range(n)]
-    results: list[_ErrorSums | BaseException | None] = [None] * n
+    results: list[_Counts | BaseException | None] = [None] * n
 
     def run(i: int) -> None:
         torch.set_num_threads(1)
@@ -387,10 +440,11 @@ def _in_workers(
             worker.join()
     finally:
         torch.set_num_threads(threads)
-    total = _ErrorSums()
     for result in results:
         if isinstance(result, BaseException):
             raise result
+    total = results[0]
+    for result in results[1:]:
         total.merge(result)
     return total
 
@@ -411,13 +465,17 @@ def requantize_nvfp4(w: Nvfp4Weight, rule: str = "mse") -> Requantized:
         sbytes = scale_bytes if rows is None else scale_bytes.index_select(0, rows)
         t = _tables(w.name, g, w.global_divides, _used_bytes(sbytes), device, rule)
 
-        def work(chunks: list[slice], t=t, codes=codes, sbytes=sbytes, rows=rows) -> _ErrorSums:
-            part = _ErrorSums()
+        def work(chunks: list[slice], t=t, codes=codes, sbytes=sbytes, rows=rows) -> _Counts:
+            part = _Counts(torch.zeros(t.entries, dtype=torch.int64, device=device))
             for chunk in chunks:
                 out, code = _requant_chunk(t, codes[chunk], sbytes[chunk], rule, part)
-                target = chunk if rows is None else rows[chunk]
-                data[target], scale[target] = out, code
+                if rows is None:
+                    data[chunk].copy_(out)  # keeps each entry's low byte
+                    scale[chunk] = code
+                else:
+                    data.index_copy_(0, rows[chunk], out.to(torch.uint8))
+                    scale.index_copy_(0, rows[chunk], code)
             return part
 
-        sums.merge(_in_workers(work, list(row_slices(codes.shape[0], k)), device))
+        sums.add(t, _in_workers(work, list(row_slices(codes.shape[0], k, CHUNK_ELEMENTS)), device))
     return Requantized(data, scale, sums.report(w.name, rule))
