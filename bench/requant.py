@@ -85,20 +85,25 @@ class PeakRss:
         return self.peak - self.base
 
 
-def measure(fn: Callable[[], object], repeats: int) -> tuple[float, int]:
-    """(best CPU seconds, largest peak extra RSS in bytes) of ``fn`` over ``repeats`` runs after a
-    warm-up. CPU time of this process, best of the runs: other jobs on shared cores inflate wall
-    time, not that. Each requantization run builds its own lookup tables, so they are counted."""
-    fn()
-    times, extra = [], 0
+def measure(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, int]]:
+    """name -> (best CPU seconds, largest peak extra RSS in bytes) of each of ``fns`` over
+    ``repeats`` runs after a warm-up, the functions taking turns (a slow spell of the shared
+    runner then hits all of them). CPU time of this process, best of the runs: other jobs on
+    shared cores inflate wall time, not that. Each requantization run builds its own lookup
+    tables, so they are counted."""
+    for fn in fns.values():
+        fn()
+    best = {name: (float("inf"), 0) for name in fns}
     for _ in range(repeats):
-        with PeakRss() as rss:
-            start = time.process_time()
-            result = fn()
-            times.append(time.process_time() - start)
-            del result
-        extra = max(extra, rss.extra)
-    return min(times), extra
+        for name, fn in fns.items():
+            with PeakRss() as rss:
+                start = time.process_time()
+                result = fn()
+                elapsed = time.process_time() - start
+                del result
+            t, extra = best[name]
+            best[name] = (min(t, elapsed), max(extra, rss.extra))
+    return best
 
 
 # ------------------------------------------------------------------------------ load level
@@ -287,11 +292,13 @@ def compute(args: argparse.Namespace) -> None:
     header = f"{'op':<28} {'CPU s':>8} {'Mweights/s':>11} {'x quantize_mx':>14} {'peak extra MB':>14} {'/ fp32 layer':>13}"
     print(header)
     print("-" * len(header))
-    base_t, base_mem = measure(lambda: quantize_mx(w, scale_rule="floor"), args.repeats)
-    rows = [("quantize_mx bf16 (floor)", base_t, base_mem)]
-    for rule in args.rules:
-        t, mem = measure(lambda rule=rule: requantize_nvfp4(nv, rule), args.repeats)
-        rows.append((f"requantize_nvfp4 ({rule})", t, mem))
+    fns = {"quantize_mx bf16 (floor)": lambda: quantize_mx(w, scale_rule="floor")}
+    fns.update(
+        {f"requantize_nvfp4 ({rule})": lambda rule=rule: requantize_nvfp4(nv, rule) for rule in args.rules}
+    )
+    best = measure(fns, args.repeats)
+    rows = [(name, *best[name]) for name in fns]
+    base_t = rows[0][1]
     for name, t, mem in rows:
         print(
             f"{name:<28} {t:8.2f} {n * k / t / 1e6:11.1f} {base_t / t:14.2f} {mem / 1e6:14.0f} {mem / fp32_layer:13.2f}"
