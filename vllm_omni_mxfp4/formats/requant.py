@@ -143,8 +143,9 @@ class _Tables:
 
     Per (row, slot, input byte), flat so that one int32 index serves them all: ``out`` int32, the
     output byte plus, from bit :data:`FLAG_SHIFT`, flags (one gather gives both): :data:`INEXACT`
-    if either element is inexact, plus, for ``mse``, the byte's gain units (module docstring); ``sse`` float64 squared error; ``max_err`` float32 largest |error|. ``ref2``
-    (rows, 256): float64 sum of squares of the input byte's two elements.
+    if either element is inexact, plus, for ``mse``, the byte's gain units (module docstring);
+    ``sse`` float64 squared error; ``max_err`` float32 largest |error|. ``ref2`` (rows, 256):
+    float64 sum of squares of the input byte's two elements.
     """
 
     remap: torch.Tensor
