@@ -37,8 +37,9 @@ from typing import BinaryIO
 
 import numpy as np
 
-from vllm_omni_mxfp4.checkpoint.names import diffusers_to_wan, natural_key, parse_diffusers
-from vllm_omni_mxfp4.checkpoint.safetensors_io import OutputTensor, split_into_shards, write_checkpoint
+from vllm_omni_mxfp4.config.keys import layer_order
+from vllm_omni_mxfp4.models.wan import diffusers_to_wan, parse_diffusers
+from vllm_omni_mxfp4.safetensors_io import OutputTensor, split_into_shards, write_checkpoint
 
 CHUNK = 8 * 1024 * 1024
 _RANDOM = np.random.default_rng(0).integers(0, 256, CHUNK, dtype=np.uint8).tobytes()
@@ -127,7 +128,7 @@ def build(root: Path, dim: int, ffn: int, blocks: int) -> tuple[Path, Path, int]
         (tdir / "config.json").write_text(json.dumps(config))
         outs = [_out(n, d, s, bf16) for n, d, s in tensors]
         write_checkpoint(
-            tdir, "diffusion_pytorch_model", split_into_shards(outs, 10**9, natural_key), lambda n: None
+            tdir, "diffusion_pytorch_model", split_into_shards(outs, 10**9, layer_order), lambda n: None
         )
 
         edir = quant / expert
@@ -163,7 +164,7 @@ def build(root: Path, dim: int, ffn: int, blocks: int) -> tuple[Path, Path, int]
         write_checkpoint(
             edir,
             "quant_model_weight_w4a4_mxfp4_dualscale",
-            split_into_shards(export, None, natural_key),
+            split_into_shards(export, None, layer_order),
             lambda n: None,
         )
         (edir / "quant_model_description_w4a4_mxfp4_dualscale.json").write_text(json.dumps(labels, indent=4))

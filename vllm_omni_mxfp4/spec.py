@@ -208,8 +208,12 @@ class CheckpointTensor:
         return f"{self.name}: {' or '.join(self.dtypes)} {self.shape_text}"
 
 
-FLOAT_DTYPES = ("BF16", "F16", "F32")
-"""safetensors dtypes of unquantized floating-point tensors."""
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+"""safetensors dtypes of unquantized floating-point tensors (weights kept in BF16, norms, biases,
+Smooth vectors as producers write them): the one list every reader of a checkpoint uses."""
+
+SMOOTH_DTYPES = ("F32", "BF16", "F16")
+"""safetensors dtypes a ``mul_scale`` may be stored in (float32 first: what the merge writes)."""
 
 WEIGHT_FP4 = CheckpointTensor(
     "weight", ("U8",), "(N, K/2)", lambda n, k: (n, k // 2), 1, 2, "any", required=True
@@ -239,7 +243,7 @@ WEIGHT_DUAL_SCALE = CheckpointTensor(
 )
 MUL_SCALE = CheckpointTensor(
     "mul_scale",
-    ("F32",) + FLOAT_DTYPES[:2],
+    SMOOTH_DTYPES,
     "(K,)",
     lambda n, k: (k,),
     0,

@@ -5,7 +5,7 @@ stand-in components). msModelSlim quantizes it through
 :mod:`vllm_omni_mxfp4_demo.tiny.msmodelslim_export` (msModelSlim's own Smooth, quantizer and savers on
 the original Wan module tree); this module only fixes the tiny config, builds the pipeline and binds
 the exporter to that config. The exporter's diffusers -> original renames are regular expressions
-written independently of ``vllm_omni_mxfp4.checkpoint.names``, so a wrong table there cannot be
+written independently of ``vllm_omni_mxfp4.models.names``, so a wrong table there cannot be
 mirrored here.
 """
 

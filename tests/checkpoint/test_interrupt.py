@@ -25,7 +25,8 @@ from vllm_omni_mxfp4.checkpoint import merge, staging
 # creates the "go" file, so that a second signal lands in the middle of the cleanup.
 _SLOW_MERGE = """
 import sys, time, pathlib
-from vllm_omni_mxfp4.checkpoint import safetensors_io, staging
+from vllm_omni_mxfp4 import safetensors_io
+from vllm_omni_mxfp4.checkpoint import staging
 marker, hold_cleanup = pathlib.Path(sys.argv[1]), sys.argv[2] == "1"
 real_write, real_discard = safetensors_io.CopyBytes.write_to, staging.discard
 calls = []

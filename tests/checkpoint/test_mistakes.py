@@ -21,7 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_omni_mxfp4.checkpoint import CheckpointError, safetensors_io
+from vllm_omni_mxfp4 import safetensors_io
+from vllm_omni_mxfp4.checkpoint import CheckpointError
 
 from .edits import assert_refused, drop, edit, merge_t2v, replace
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from vllm_omni_mxfp4.checkpoint import CheckpointError
-from vllm_omni_mxfp4.checkpoint.names import (
+from vllm_omni_mxfp4.config.keys import layer_order
+from vllm_omni_mxfp4.models.wan import (
     diffusers_to_wan,
-    natural_key,
     parse_diffusers,
     runtime_layer_name,
     strip_smooth_wrapper,
@@ -159,7 +159,7 @@ def test_runtime_name_of_a_non_linear_is_an_error(layer):
 
 def test_natural_order():
     names = ["blocks.10.ffn.net_2", "blocks.2.attn1.to_qkv", "proj_out", "blocks.2.attn1.to_out"]
-    assert sorted(names, key=natural_key) == [
+    assert sorted(names, key=layer_order) == [
         "blocks.2.attn1.to_out",
         "blocks.2.attn1.to_qkv",
         "blocks.10.ffn.net_2",

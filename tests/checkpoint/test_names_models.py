@@ -10,14 +10,9 @@ import json
 import pytest
 
 from vllm_omni_mxfp4.checkpoint import CheckpointError
-from vllm_omni_mxfp4.checkpoint.names import (
-    DIFFUSERS_EXPORT_NAMES,
-    LINEAR,
-    MODULE,
-    WAN_EXPORT_NAMES,
-    ModelNames,
-)
 from vllm_omni_mxfp4.checkpoint.validate import original_archive
+from vllm_omni_mxfp4.models.names import DIFFUSERS_EXPORT_NAMES, MODULE, WAN_EXPORT_NAMES, ModelNames
+from vllm_omni_mxfp4.models.wan import LINEAR
 
 pytest.importorskip("vllm_omni")
 

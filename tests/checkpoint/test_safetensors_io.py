@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vllm_omni_mxfp4.checkpoint import CheckpointError
-from vllm_omni_mxfp4.checkpoint.names import natural_key
-from vllm_omni_mxfp4.checkpoint.safetensors_io import (
+from vllm_omni_mxfp4.config.keys import layer_order
+from vllm_omni_mxfp4.safetensors_io import (
     CopyBytes,
     OutputTensor,
     UnpackFp4ToBf16,
@@ -66,7 +66,7 @@ def test_written_file_loads_with_safetensors_and_keeps_bytes(source, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     files = write_checkpoint(
-        out, "model", split_into_shards(_outputs(refs), None, natural_key), lambda n: None
+        out, "model", split_into_shards(_outputs(refs), None, layer_order), lambda n: None
     )
     assert files == ["model.safetensors"]
     loaded = load_file(str(out / "model.safetensors"))
@@ -85,7 +85,7 @@ def test_sharded_output_has_a_consistent_index(source, tmp_path):
     refs, _ = read_header(path)
     out = tmp_path / "out"
     out.mkdir()
-    shards = split_into_shards(_outputs(refs), 60, natural_key)
+    shards = split_into_shards(_outputs(refs), 60, layer_order)
     files = write_checkpoint(out, "model", shards, lambda n: None)
     assert len(shards) > 2
     assert files[-1] == "model.safetensors.index.json"
@@ -188,7 +188,8 @@ def test_file_copies_move_bounded_chunks(tmp_path, monkeypatch, fast):
     is handled between chunks instead of after one call that copies the whole file."""
     import os
 
-    from vllm_omni_mxfp4.checkpoint import merger, safetensors_io
+    from vllm_omni_mxfp4 import safetensors_io
+    from vllm_omni_mxfp4.checkpoint import merger
 
     monkeypatch.setattr(safetensors_io, "COPY_CHUNK", 1000)
     if not fast:

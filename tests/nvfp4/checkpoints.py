@@ -16,20 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.nvfp4 import reference
 from vllm_omni_mxfp4.formats.nvfp4 import dequantize_nvfp4
-from vllm_omni_mxfp4.sources.nvfp4 import TensorInfo, detect_nvfp4, load_nvfp4_weight
-
-SAFETENSORS_DTYPES = {
-    torch.uint8: "U8",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-}
-
-
-def tensor_info(t: torch.Tensor) -> TensorInfo:
-    """The header description of a tensor, as safetensors writes it."""
-    return TensorInfo(SAFETENSORS_DTYPES[t.dtype], tuple(t.shape))
+from vllm_omni_mxfp4.sources.nvfp4 import detect_nvfp4, load_nvfp4_weight
 
 
 def write_checkpoint(

@@ -21,9 +21,9 @@ from tests.nvfp4.checkpoints import MODELOPT_FIXTURES, dequantized_copy, pack_co
 from tests.support import flux1_export, msmodelslim_sd
 from vllm_omni_mxfp4.checkpoint import CheckpointError
 from vllm_omni_mxfp4.checkpoint.merger import derived_names
-from vllm_omni_mxfp4.checkpoint.names import DIFFUSERS_EXPORT_NAMES, ModelNames
 from vllm_omni_mxfp4.convert import convert
 from vllm_omni_mxfp4.convert.targets import TARGETS
+from vllm_omni_mxfp4.models.names import DIFFUSERS_EXPORT_NAMES, ModelNames
 from vllm_omni_mxfp4.sources.nvfp4 import detect_nvfp4
 
 

@@ -309,7 +309,7 @@ def write_mxfp8_blocks(src, dst, blocks=(0,)):
     ``blocks`` store every Linear as MXFP8 W8A8 (``float8_e4m3fn`` weights, E8M0 scales per 32,
     quantized from the original BF16 weights with the OCP rule) and list them in ``mxfp8_layers``:
     the layout msModelSlim's Wan2.2 recipes give blocks 0-4. Returns the runtime names listed."""
-    from vllm_omni_mxfp4.checkpoint.names import runtime_layer_name
+    from vllm_omni_mxfp4.models.wan import runtime_layer_name
 
     write_offline_checkpoint(src, dst, "mxfp4")
     original = load_file(str(src / "diffusion_pytorch_model.safetensors"))

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from vllm_omni_mxfp4 import spec
 
-from .errors import CheckpointError, read_json_object
-from .safetensors_io import TensorRef, open_archive
+from ..errors import CheckpointError, read_json_object
+from ..safetensors_io import TensorRef, open_archive
 
 logger = logging.getLogger(__name__)
 

@@ -31,9 +31,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..errors import CheckpointError, read_json_object, require_regular_file
+from ..models.names import DIFFUSERS_EXPORT_NAMES, WAN_EXPORT_NAMES, ModelNames, derived_model_names
+from ..safetensors_io import copy_range, write_checkpoint
 from . import staging
-from .errors import CheckpointError, read_json_object, require_regular_file
-from .names import DIFFUSERS_EXPORT_NAMES, WAN_EXPORT_NAMES, ModelNames, derived_model_names
 from .plan import (
     DESCRIPTION_NAME,
     MXFP8_POLICIES,
@@ -46,7 +47,6 @@ from .plan import (
     original_config,
     plan_transformer,
 )
-from .safetensors_io import copy_range, write_checkpoint
 from .validate import original_archive
 
 logger = logging.getLogger(__name__)

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..config.keys import layer_order
+from ..errors import CheckpointError
+from ..models.wan import LINEAR
+from ..safetensors_io import TensorRef, first_difference
 from .export import FLOAT_LABEL
-from .names import LINEAR, natural_key
-from .safetensors_io import TensorRef, first_difference
 from .validate import MergeInputs, original_archive
 
 
@@ -28,7 +29,7 @@ def identity_tensors(inputs: MergeInputs) -> list[str]:
         for name, t in inputs.mapped.items()
         if t.label == FLOAT_LABEL and t.place.kind != LINEAR and name in inputs.original
     )
-    return sorted(names, key=natural_key)
+    return sorted(names, key=layer_order)
 
 
 def _first_mismatch(inputs: MergeInputs, names: list[str], original: dict[str, TensorRef]) -> str | None:

@@ -23,13 +23,10 @@ from pathlib import Path
 from vllm_omni_mxfp4 import spec
 from vllm_omni_mxfp4.config import Mxfp4Config, Mxfp4DualScaleConfig
 
-from .errors import CheckpointError, read_json_object, require_regular_file
-from .export import FLOAT_LABEL, read_export
-from .names import ModelNames, natural_key
-from .origin import check_origin
-from .rotation import REASON as ROTATION_REASON
-from .safetensors_io import (
-    FLOAT_DTYPES,
+from ..config.keys import layer_order
+from ..errors import CheckpointError, read_json_object, require_regular_file
+from ..models.names import ModelNames
+from ..safetensors_io import (
     CopyBytes,
     OnesF32,
     OutputTensor,
@@ -38,6 +35,9 @@ from .safetensors_io import (
     WidenToF32,
     split_into_shards,
 )
+from .export import FLOAT_LABEL, read_export
+from .origin import check_origin
+from .rotation import REASON as ROTATION_REASON
 from .validate import (
     ADDED_LEAVES,
     MUL_SCALE,
@@ -134,14 +134,14 @@ class _Outputs:
 
     def description(self, model_quant_type: str) -> dict[str, str]:
         """The remapped ``quant_model_description.json``: the labels in natural order."""
-        labels = {name: self.labels[name] for name in sorted(self.labels, key=natural_key)}
+        labels = {name: self.labels[name] for name in sorted(self.labels, key=layer_order)}
         return {**labels, "model_quant_type": model_quant_type}
 
 
 def _add_original_tensors(inputs: MergeInputs, layers: Layers, out: _Outputs) -> None:
     """Every tensor of the original except quantized weights: the export's version where it has one."""
     quantized = set(layers.quantized)
-    for name in sorted(inputs.original, key=natural_key):
+    for name in sorted(inputs.original, key=layer_order):
         place = inputs.places[name]
         if place.layer in quantized and place.leaf == "weight":
             continue
@@ -224,7 +224,7 @@ def _quantization_config(
 
 
 def _runtime_names(layers: list[str], names: ModelNames) -> list[str]:
-    return sorted({names.runtime_layer_name(layer) for layer in layers}, key=natural_key)
+    return sorted({names.runtime_layer_name(layer) for layer in layers}, key=layer_order)
 
 
 def _fa3_attention(inputs: MergeInputs) -> dict[str, str]:
@@ -245,7 +245,7 @@ def _fa3_attention(inputs: MergeInputs) -> dict[str, str]:
             f"({', '.join(sorted(set(found.values())))}): attention stays BF16 in vLLM-Omni (higher precision "
             "than msModelSlim calibrated for, slower than MindIE-SD's quantized attention)"
         )
-    return dict(sorted(found.items(), key=lambda item: natural_key(item[0])))
+    return dict(sorted(found.items(), key=lambda item: layer_order(item[0])))
 
 
 def _online_rotation(inputs: MergeInputs) -> dict | None:
@@ -254,7 +254,7 @@ def _online_rotation(inputs: MergeInputs) -> dict | None:
     if not attentions:
         return None
     inputs.warn(f"online Q/K rotation on {len(attentions)} attention layer(s) not applied: {ROTATION_REASON}")
-    return {"layers": sorted(attentions, key=natural_key), "applied": False, "reason": ROTATION_REASON}
+    return {"layers": sorted(attentions, key=layer_order), "applied": False, "reason": ROTATION_REASON}
 
 
 def original_config(original_dir: Path, transformer_class: str) -> dict:
@@ -279,8 +279,8 @@ def check_original_unquantized(original_dir: Path, transformer_class: str) -> No
     if not original_dir.is_dir():
         raise CheckpointError(f"original transformer directory {original_dir} does not exist")
     original_config(original_dir, transformer_class)
-    for name, ref in sorted(original_archive(original_dir).items(), key=lambda item: natural_key(item[0])):
-        if name.rsplit(".", 1)[-1] in ADDED_LEAVES or ref.dtype not in FLOAT_DTYPES:
+    for name, ref in sorted(original_archive(original_dir).items(), key=lambda item: layer_order(item[0])):
+        if name.rsplit(".", 1)[-1] in ADDED_LEAVES or ref.dtype not in spec.FLOAT_DTYPES:
             raise CheckpointError(
                 f"{ref.path}: original tensor {name!r} ({ref.dtype}) is a quantized checkpoint's tensor; "
                 "the original is already quantized: --original-model must be the BF16 original"
@@ -374,7 +374,7 @@ def plan_transformer(
     return TransformerPlan(
         report=_report(inputs, layers, out, quant, require_smooth),
         original_dir=original_dir,
-        shards=split_into_shards(out.tensors, max_shard_size, natural_key),
+        shards=split_into_shards(out.tensors, max_shard_size, layer_order),
         config=config,
         description=out.description(inputs.export.label),
         extra_files=_extra_files(original_dir),

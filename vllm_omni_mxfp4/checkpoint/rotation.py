@@ -31,8 +31,8 @@ import numpy as np
 
 from vllm_omni_mxfp4 import spec
 
-from .errors import CheckpointError, read_json_object
-from .safetensors_io import FLOAT_DTYPES, TensorRef, decode_array
+from ..errors import CheckpointError, read_json_object
+from ..safetensors_io import TensorRef, decode_array
 
 #: The rotation records msModelSlim's adapters register (``get_online_rotation_configs``).
 ROTATION_LEAVES = ("q_rot", "k_rot")
@@ -125,7 +125,7 @@ def _head_dim(original_dir: Path) -> int:
 def _matrix(ref: TensorRef, head_dim: int) -> np.ndarray:
     """A rotation record's matrix, checked: float, ``(head_dim, head_dim)``, finite, orthogonal."""
     where = f"{ref.path}: rotation record {ref.name!r}"
-    if ref.dtype not in FLOAT_DTYPES or ref.shape != (head_dim, head_dim):
+    if ref.dtype not in spec.FLOAT_DTYPES or ref.shape != (head_dim, head_dim):
         raise CheckpointError(
             f"{where} is {ref.dtype} {list(ref.shape)}; expected a float [{head_dim}, {head_dim}] matrix "
             "(attention_head_dim of the original)"

@@ -29,7 +29,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

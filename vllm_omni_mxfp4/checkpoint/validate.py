@@ -38,24 +38,19 @@ import numpy as np
 
 from vllm_omni_mxfp4 import spec
 
-from .errors import CheckpointError
-from .export import FLOAT_LABEL, LAYER_FORMATS, QuantExport
-from .names import (
-    LINEAR,
-    WAN_EXPORT_NAMES,
-    ModelNames,
-    TensorName,
-    natural_key,
-)
-from .rotation import ROWS_COMPARED, Rotations, decode_rows, is_rotation_record, read_rows
-from .safetensors_io import (
-    FLOAT_DTYPES,
+from ..config.keys import layer_order
+from ..errors import CheckpointError
+from ..models.names import WAN_EXPORT_NAMES, ModelNames
+from ..models.wan import LINEAR, TensorName
+from ..safetensors_io import (
     TensorRef,
     first_difference,
     first_nonfinite,
     open_archive,
     read_index,
 )
+from .export import FLOAT_LABEL, LAYER_FORMATS, QuantExport
+from .rotation import ROWS_COMPARED, Rotations, decode_rows, is_rotation_record, read_rows
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +161,7 @@ def _allowed_labels(leaf: str, label: str) -> tuple[str, ...]:
 
 def _map_export(export: QuantExport, rotations: Rotations, names: ModelNames) -> dict[str, ExportTensor]:
     mapped: dict[str, ExportTensor] = {}
-    for name in sorted(export.tensors, key=natural_key):
+    for name in sorted(export.tensors, key=layer_order):
         if is_rotation_record(name):
             rotations.add(name, export.tensors[name])
             continue
@@ -268,7 +263,7 @@ class MergeInputs:
     def check_complete(self) -> None:
         """Every tensor of the original is in the export: msModelSlim saves the whole model (FLOAT or
         quantized), so a missing one means an incomplete export, never "take the original's"."""
-        missing = [name for name in sorted(self.original, key=natural_key) if name not in self.mapped]
+        missing = [name for name in sorted(self.original, key=layer_order) if name not in self.mapped]
         if not missing:
             return
         name, layer = missing[0], self.places[missing[0]].layer
@@ -287,7 +282,7 @@ class MergeInputs:
 
     def linear_layers(self) -> list[str]:
         layers = {p.layer for p in self.places.values() if p.kind == LINEAR and p.leaf == "weight"}
-        return sorted(layers, key=natural_key)
+        return sorted(layers, key=layer_order)
 
     def check_smooth_wrapping(self, layer: str) -> None:
         """A Linear's export names are all Smooth-wrapped (with a ``mul_scale``) or all plain."""
@@ -456,7 +451,7 @@ class MergeInputs:
         """Export tensors outside the quantized Linears are FLOAT, with the original's dtype and shape,
         and finite; so are the original tensors that replace a quantized non-block Linear."""
         quantized = set(layers.quantized)
-        for name in sorted(self.original, key=natural_key):
+        for name in sorted(self.original, key=layer_order):
             place, t, original = self.places[name], self.mapped.get(name), self.original[name]
             if place.layer in layers.replaced:
                 check_streamed_values(original, "original tensor")
@@ -465,7 +460,9 @@ class MergeInputs:
                 continue
             if t.label != FLOAT_LABEL:
                 raise _fail(t.ref, "tensor", f"is labelled {t.label} but is not part of a quantized Linear")
-            _check_dtype_and_shape(t, "FLOAT tensor", FLOAT_DTYPES, original.shape, f"(the original {name})")
+            _check_dtype_and_shape(
+                t, "FLOAT tensor", spec.FLOAT_DTYPES, original.shape, f"(the original {name})"
+            )
             check_streamed_values(t.ref, "FLOAT tensor")
             if t.ref.dtype != original.dtype:
                 self._check_other_dtype(t, original)

@@ -29,18 +29,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_omni_mxfp4 import spec
-from vllm_omni_mxfp4.checkpoint.errors import CheckpointError, read_json_object
 from vllm_omni_mxfp4.checkpoint.merger import NamesProvider, derived_names
-from vllm_omni_mxfp4.checkpoint.safetensors_io import (
+from vllm_omni_mxfp4.config import Mxfp4Config
+from vllm_omni_mxfp4.config.keys import layer_order
+from vllm_omni_mxfp4.errors import CheckpointError, read_json_object
+from vllm_omni_mxfp4.safetensors_io import (
     CopyBytes,
     OutputTensor,
     TensorRef,
     open_archive,
     split_into_shards,
 )
-from vllm_omni_mxfp4.config import Mxfp4Config
-from vllm_omni_mxfp4.config.keys import layer_order
-from vllm_omni_mxfp4.sources.nvfp4 import LayerSource, SourceError, TensorInfo, detect_nvfp4, original_tensors
+from vllm_omni_mxfp4.sources.nvfp4 import LayerSource, SourceError, detect_nvfp4, original_tensors
 from vllm_omni_mxfp4.sources.nvfp4.names import Renamed, bfl_module, bfl_param, is_bfl
 
 from .reader import TensorReader
@@ -126,8 +126,7 @@ def _target(
     fixed = TARGETS.get(config.get("_class_name"))
     if fixed is not None:
         return fixed
-    stored = {name: TensorInfo(ref.dtype, tuple(ref.shape)) for name, ref in archive.items()}
-    return derived_target(directory, config, original_tensors(stored, checkpoint.layers), provider)
+    return derived_target(directory, config, original_tensors(archive, checkpoint.layers), provider)
 
 
 def _archive(directory: Path) -> dict[str, TensorRef]:

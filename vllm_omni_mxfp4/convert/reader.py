@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from vllm_omni_mxfp4.checkpoint.errors import CheckpointError
-from vllm_omni_mxfp4.checkpoint.safetensors_io import TensorRef
+from vllm_omni_mxfp4.errors import CheckpointError
 from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight
+from vllm_omni_mxfp4.safetensors_io import TensorRef
 from vllm_omni_mxfp4.sources.nvfp4 import LayerSource, SourceError, load_nvfp4_weight
 
 

@@ -22,11 +22,11 @@ from tqdm import tqdm
 
 from vllm_omni_mxfp4 import spec
 from vllm_omni_mxfp4.checkpoint import staging
-from vllm_omni_mxfp4.checkpoint.errors import CheckpointError
 from vllm_omni_mxfp4.checkpoint.merger import check_output, component_files, copy_file, handle_stale_staging
 from vllm_omni_mxfp4.checkpoint.plan import WEIGHTS_BASENAME
-from vllm_omni_mxfp4.checkpoint.safetensors_io import write_checkpoint
+from vllm_omni_mxfp4.errors import CheckpointError
 from vllm_omni_mxfp4.formats.requant import REQUANT_RULES
+from vllm_omni_mxfp4.safetensors_io import write_checkpoint
 from vllm_omni_mxfp4.sources.nvfp4 import SourceError, detect_nvfp4
 
 from .plan import ComponentPlan, ComponentReport, plan_component

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_mxfp4.checkpoint.errors import CheckpointError, read_json_object
-from vllm_omni_mxfp4.checkpoint.names import names_of_class, runtime_layer_name
+from vllm_omni_mxfp4.errors import CheckpointError, read_json_object
+from vllm_omni_mxfp4.models.names import names_of_class
+from vllm_omni_mxfp4.models.wan import runtime_layer_name
 from vllm_omni_mxfp4.sources.nvfp4.names import flux2_quantizable, flux2_runtime_name
 
 
@@ -71,7 +72,7 @@ def derived_target(
     provider: Callable[..., dict],
 ) -> TargetModel:
     """The target of ``config``'s ``_class_name`` from vLLM-Omni's class
-    (:func:`~vllm_omni_mxfp4.checkpoint.names.names_of_class`, which refuses a tensor the class does
+    (:func:`~vllm_omni_mxfp4.models.names.names_of_class`, which refuses a tensor the class does
     not load)."""
     names = names_of_class(directory, config, tensors, provider, _pipeline_class(directory))
     return TargetModel(names.model_class, names.is_runtime_quantizable, names.runtime_layer_name)

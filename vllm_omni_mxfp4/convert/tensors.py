@@ -1,6 +1,6 @@
 """Output tensors of the convert that are computed with torch, written through the checkpoint writer.
 
-Each class here is a :class:`~vllm_omni_mxfp4.checkpoint.safetensors_io.TensorSource`: it knows its
+Each class here is a :class:`~vllm_omni_mxfp4.safetensors_io.TensorSource`: it knows its
 size up front (so headers and shards are planned before any numerics run) and produces its bytes
 only when the writer reaches it. A layer's work is done once and kept in a one-layer cache
 (:class:`LayerCache`), because its ``weight`` and ``weight_scale`` are written one after the other;

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """The input dtypes of the quantizers."""
 
 CPU_CHUNK_ELEMENTS = 1 << 18
@@ -22,7 +22,7 @@ CPU_CHUNK_ELEMENTS = 1 << 18
 
 def check_float_input(x: torch.Tensor, name: str) -> None:
     """Reject anything but a bf16 / fp16 / fp32 tensor with at least one dimension."""
-    if x.dtype not in FLOAT_DTYPES:
+    if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"{name}: expected a bfloat16, float16 or float32 tensor, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError(f"{name}: expected at least one dimension, got a scalar")

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_omni_mxfp4 import spec
-from vllm_omni_mxfp4.checkpoint.safetensors_io import TensorRef, first_bad_value
 from vllm_omni_mxfp4.config import QuantConfig
 from vllm_omni_mxfp4.config.keys import layer_order
+from vllm_omni_mxfp4.safetensors_io import TensorRef, first_bad_value
 
 from .records import ModelWalk, RuntimeLinear
 from .report import LayerRow, TensorRow

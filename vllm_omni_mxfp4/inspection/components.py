@@ -24,11 +24,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_mxfp4.checkpoint.errors import CheckpointError
-from vllm_omni_mxfp4.checkpoint.safetensors_io import TensorRef, open_archive
 from vllm_omni_mxfp4.checkpoint.validate import WEIGHTS_BASENAME, original_archive
 from vllm_omni_mxfp4.config import Mxfp4Config, QuantConfig, check_model_names, reconcile_with_checkpoint
 from vllm_omni_mxfp4.config.reconcile import checkpoint_method
+from vllm_omni_mxfp4.errors import CheckpointError
+from vllm_omni_mxfp4.safetensors_io import TensorRef, open_archive
 from vllm_omni_mxfp4.sources.nvfp4 import Nvfp4Checkpoint, SourceError, detect_nvfp4
 
 from .checks import attribute, base_row, layer_row

@@ -1,7 +1,7 @@
 """A transformer class's checkpoint -> runtime names, derived from the class, as plain data.
 
 The data (what :func:`derive_names` returns, what
-:meth:`vllm_omni_mxfp4.checkpoint.names.ModelNames.from_dict` reads):
+:meth:`vllm_omni_mxfp4.models.names.ModelNames.from_dict` reads):
 
 - ``model_class``, ``module``: the vLLM-Omni class and the module defining it;
 - ``tensors``: checkpoint tensor name -> ``{"param": runtime parameter, "shard": fused piece id or

@@ -30,7 +30,7 @@ import torch
 from torch.nn import Parameter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..checkpoint.names import runtime_layer_name
+from ..models.wan import runtime_layer_name
 from ..formats import e2m1_decode, e2m1_encode, pack_fp4
 from ..kernels import SharedBlocks
 from ..spec import FORMAT_TENSORS, CheckpointTensor, ValueRule

@@ -43,11 +43,11 @@ from typing import Any
 import torch
 
 from .. import spec
-from ..checkpoint.errors import CheckpointError
-from ..checkpoint.names import runtime_layer_name
+from ..models.wan import runtime_layer_name
 from ..config import LayerRoute, Precision
 from ..config.methods import Mxfp4Config
 from ..config.reconcile import nvfp4_source_config
+from ..errors import CheckpointError
 from ..formats.nvfp4 import dequantize_rows, row_slices
 from ..formats.requant import requantize_nvfp4
 from ..sources.nvfp4 import (
@@ -100,8 +100,8 @@ def _class_names(
     from vLLM-Omni's class itself (:func:`~vllm_omni_mxfp4.models.derive_names`, in a child process:
     the engine's own distributed state is not touched; cached on disk after the first time). A
     tensor the class does not load, or an NVFP4 / FP8 layer it has no Linear for, is refused."""
-    from ..checkpoint.errors import read_json_object
-    from ..checkpoint.names import names_of_class
+    from ..models.names import names_of_class
+    from ..errors import read_json_object
     from ..models import derive_names
 
     config = read_json_object(

@@ -21,14 +21,13 @@ from .layouts import (
     swap_nibbles,
     unswizzle_scales,
 )
-from .records import LayerSource, Nvfp4Checkpoint, SourceError, TensorInfo
+from .records import LayerSource, Nvfp4Checkpoint, SourceError
 
 __all__ = [
     "LayerSource",
     "Nvfp4Checkpoint",
     "ProducerConfig",
     "SourceError",
-    "TensorInfo",
     "describe_layers",
     "detect_nvfp4",
     "fuse_rows",

@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import struct
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from vllm_omni_mxfp4 import spec
+from vllm_omni_mxfp4.safetensors_io import TensorInfo, read_header
 
 from .config import DEQUANT_ALGOS, REQUANT_ALGOS, ProducerConfig, parse_quant_config
-from .records import LayerSource, Nvfp4Checkpoint, SourceError, TensorInfo
+from .records import LayerSource, Nvfp4Checkpoint, SourceError
 
-FLOAT_DTYPES = ("BF16", "F16", "F32")
 WEIGHT_PARAMS = ("weight", "weight_packed")
 SVDQUANT_PARAMS = (
     "svdquant_lora_a",
@@ -49,32 +48,22 @@ GLOBAL_DIVISOR = "weight_global_scale"
 COMFY_MARKER = "comfy_quant"
 COMFY_DEQUANT_FORMATS = ("float8_e4m3fn", "mxfp8")
 COMFY_CONVENTIONS = {"nibble_order": "high_even", "scale_layout": "swizzled"}
-HEADER_LIMIT = 100 * 1024 * 1024
 
 
 # ------------------------------------------------------------------------------------ reading
 
 
-def _read_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """The JSON header of a safetensors file: (tensor entries, ``__metadata__``)."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        if size > HEADER_LIMIT:
-            raise SourceError(str(path), f"safetensors header of {size} bytes; the file is not safetensors")
-        header = json.loads(f.read(size))
-    metadata = header.pop("__metadata__", None) or {}
-    return header, metadata
-
-
 def read_checkpoint_headers(model_dir: Path) -> tuple[dict[str, TensorInfo], dict[str, str], dict[str, Path]]:
-    """Tensors (name -> :class:`TensorInfo`), merged header metadata, and the file of each tensor,
-    for every ``*.safetensors`` file directly in ``model_dir``."""
+    """Tensors (name -> :class:`~vllm_omni_mxfp4.safetensors_io.TensorInfo`), merged header
+    metadata, and the file of each tensor, for every ``*.safetensors`` file directly in
+    ``model_dir`` (:func:`~vllm_omni_mxfp4.safetensors_io.read_header`: every header checked
+    against its file)."""
     tensors, metadata, files = {}, {}, {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
-        entries, meta = _read_header(path)
+        entries, meta = read_header(path)
         metadata.update(meta)
-        for name, entry in entries.items():
-            tensors[name] = TensorInfo(entry["dtype"], tuple(entry["shape"]))
+        for name, ref in entries.items():
+            tensors[name] = ref
             files[name] = path
     return tensors, metadata, files
 
@@ -229,7 +218,7 @@ def _nvfp4_roles(name: str, params: Mapping[str, str], tensors: Mapping[str, Ten
     pre = params.get("pre_quant_scale")
     if pre is not None:
         info = tensors[pre]
-        if info.shape != (k,) or info.dtype not in FLOAT_DTYPES:
+        if info.shape != (k,) or info.dtype not in spec.FLOAT_DTYPES:
             raise SourceError(
                 name,
                 f"pre_quant_scale {info.dtype} {info.shape} cannot be folded into the ({k},) Smooth multiplier",
@@ -306,7 +295,7 @@ def _other_layer(name, params, tensors, config) -> LayerSource:
         return LayerSource(
             name, "dequantize", "FP8", "FP8 layer, served in BF16 (FP8 precision or better)", roles
         )
-    if weight.dtype in FLOAT_DTYPES:
+    if weight.dtype in spec.FLOAT_DTYPES:
         if declared is not None:
             raise SourceError(
                 name, f"declared {declared} but stored as {weight.dtype}", "re-export the checkpoint"

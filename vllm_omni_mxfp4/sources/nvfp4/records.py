@@ -33,14 +33,6 @@ class SourceError(ValueError):
 
 
 @dataclass(frozen=True)
-class TensorInfo:
-    """A tensor as a safetensors header describes it: dtype string (``U8``, ``F8_E4M3``...) and shape."""
-
-    dtype: str
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class LayerSource:
     """What happens to one module of the checkpoint, and where its tensors are.
 

@@ -47,7 +47,6 @@ DTYPE_SIZES: dict[str, int] = {
     "U64": 8,
     "F64": 8,
 }
-FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 
 _MAX_HEADER = 100 * 1024 * 1024
 COPY_CHUNK = 16 * 1024 * 1024
