@@ -367,7 +367,7 @@ def test_cli_reports_validation_errors_in_one_line(expert_copy, tmp_path, capsys
 
 
 def test_failure_while_writing_leaves_nothing(expert_copy, tmp_path, monkeypatch, capsys):
-    import vllm_omni_mxfp4.checkpoint.merger as merge_module
+    import vllm_omni_mxfp4.publish.output as merge_module  # the write loop the merge and convert share
 
     original, quant = expert_copy
     calls = []

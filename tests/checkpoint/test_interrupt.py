@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_mxfp4.checkpoint import merge, staging
+from vllm_omni_mxfp4.checkpoint import merge
+from vllm_omni_mxfp4.publish import staging
 
 # The real CLI with the 40th tensor write held until a signal arrives. With ``hold_cleanup`` the
 # staging directory's removal also waits (after writing the "cleaning" marker) until the test
@@ -26,7 +27,7 @@ from vllm_omni_mxfp4.checkpoint import merge, staging
 _SLOW_MERGE = """
 import sys, time, pathlib
 from vllm_omni_mxfp4 import safetensors_io
-from vllm_omni_mxfp4.checkpoint import staging
+from vllm_omni_mxfp4.publish import staging
 marker, hold_cleanup = pathlib.Path(sys.argv[1]), sys.argv[2] == "1"
 real_write, real_discard = safetensors_io.CopyBytes.write_to, staging.discard
 calls = []

@@ -457,3 +457,22 @@ def test_written_configs_parse_with_the_runtime_config(merged_dual, merged_singl
             )
         else:
             assert config.is_checkpoint_serialized
+
+
+def _bytes_under(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+def test_bytes_out_count_every_written_file_subdirectories_included(tmp_path, dual_export):
+    """A transformer directory with a subdirectory (a model card's images, say) is copied whole, and
+    ``bytes_out`` counts what was written there too: the merge's and the convert's reports count
+    bytes the same way (they share one writer)."""
+    original = tmp_path / "original"
+    shutil.copytree(dual_export.original, original)
+    (original / "transformer" / "assets").mkdir()
+    (original / "transformer" / "assets" / "card.bin").write_bytes(b"\x01" * 4096)
+    report = merge("Wan2.2-T2V-A14B", original, dual_export.quant, tmp_path / "out")
+    written = {t.name: t for t in report.transformers}
+    for folder in ("transformer", "transformer_2"):
+        assert written[folder].bytes_out == _bytes_under(tmp_path / "out" / folder)
+    assert (tmp_path / "out" / "transformer" / "assets" / "card.bin").read_bytes() == b"\x01" * 4096

@@ -189,7 +189,7 @@ def test_file_copies_move_bounded_chunks(tmp_path, monkeypatch, fast):
     import os
 
     from vllm_omni_mxfp4 import safetensors_io
-    from vllm_omni_mxfp4.checkpoint import merger
+    from vllm_omni_mxfp4.publish.output import copy_file
 
     monkeypatch.setattr(safetensors_io, "COPY_CHUNK", 1000)
     if not fast:
@@ -198,7 +198,7 @@ def test_file_copies_move_bounded_chunks(tmp_path, monkeypatch, fast):
     data = np.random.default_rng(0).integers(0, 256, 10_500, dtype=np.uint8).tobytes()
     src.write_bytes(data)
     steps: list[int] = []
-    assert merger.copy_file(src, tmp_path / "out" / "big.bin", steps.append) == len(data)
+    assert copy_file(src, tmp_path / "out" / "big.bin", steps.append) == len(data)
     assert (tmp_path / "out" / "big.bin").read_bytes() == data
     assert len(steps) == 11 and max(steps) <= 1000 and sum(steps) == len(data)
 

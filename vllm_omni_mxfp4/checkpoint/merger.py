@@ -8,7 +8,7 @@ detects the method with no flag) and a remapped ``quant_model_description.json``
 Every other file of the pipeline is copied byte for byte.
 
 Validation runs first, for all transformers, then the output is built in a staging directory beside
-the target and renamed into place at the end (see :mod:`.staging`).
+the target and renamed into place at the end (:mod:`vllm_omni_mxfp4.publish`).
 
 The names of each transformer's tensors at runtime (fused layers, Linears the model keeps in BF16,
 the names ``ignored_layers`` uses) come from vLLM-Omni's own model class: a names provider
@@ -19,35 +19,36 @@ original's ``config.json`` and tensor names into plain data (:class:`~.names.Mod
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-from ..errors import CheckpointError, read_json_object, require_regular_file
-from ..models.names import DIFFUSERS_EXPORT_NAMES, WAN_EXPORT_NAMES, ModelNames, derived_model_names
-from ..safetensors_io import copy_range, write_checkpoint
-from . import staging
+from ..errors import CheckpointError, read_json_object
+from ..models import derive_names
+from ..models.names import (
+    DIFFUSERS_EXPORT_NAMES,
+    WAN_EXPORT_NAMES,
+    ModelNames,
+    NamesProvider,
+    derived_model_names,
+)
+from ..publish.output import ComponentOutput, check_output, component_files, handle_stale_staging, publish
+from ..safetensors_io import diffusers_archive
 from .plan import (
     DESCRIPTION_NAME,
     MXFP8_POLICIES,
     NON_BLOCK_POLICIES,
     WEIGHT_LAYOUTS,
-    WEIGHTS_BASENAME,
     TransformerPlan,
     TransformerReport,
     check_original_unquantized,
     original_config,
     plan_transformer,
 )
-from .validate import original_archive
 
 logger = logging.getLogger(__name__)
 
@@ -127,13 +128,6 @@ UNSERVED_MODEL_TYPES: dict[str, str] = {
 }
 #: diffusers pipeline classes of those models (``model_index.json`` ``_class_name``) -> model type.
 _UNSERVED_PIPELINES = {"HunyuanVideoPipeline": "HunyuanVideo"}
-#: ``(pipeline class, transformer class, config.json, tensors) -> data``: a transformer's runtime names
-#: as plain data (:meth:`ModelNames.from_dict`); ``tensors`` maps each original tensor name to its
-#: (safetensors dtype, shape).
-NamesProvider = Callable[
-    [str | None, str, Mapping[str, Any], Mapping[str, tuple[str, tuple[int, ...]]]], dict
-]
-_SKIPPED_DIRS = frozenset({".git", ".cache"})
 
 
 @dataclass
@@ -217,68 +211,6 @@ def resolve_model_type(model_type: str, original: Path) -> str:
     return model_type
 
 
-def _inside(path: Path, other: Path) -> bool:
-    return path == other or other in path.parents
-
-
-def check_output(output: Path, inputs: list[Path], overwrite: bool) -> None:
-    """Refuse an output that overlaps an input, exists without ``overwrite`` (or is not a directory),
-    or whose parent is missing: checked before any work, so a bad target costs nothing."""
-    resolved = output.resolve()
-    for path in inputs:
-        source = path.resolve()
-        if _inside(resolved, source) or _inside(source, resolved):
-            raise CheckpointError(f"output path {output} overlaps the input {path}")
-    if output.exists() or output.is_symlink():
-        if not overwrite:
-            raise CheckpointError(f"output path {output} exists; pass --overwrite to replace it")
-        if not output.is_dir():
-            raise CheckpointError(f"output path {output} exists and is not a directory")
-    if not output.parent.is_dir():
-        raise CheckpointError(f"the parent directory of the output path, {output.parent}, does not exist")
-
-
-def component_files(original: Path, transformers: set[str]) -> list[Path]:
-    """Every file of the pipeline except the merged transformers (relative paths); each must be a
-    regular file (a FIFO or a device is refused before anything is opened)."""
-    files = []
-    for root, dirs, names in os.walk(original, followlinks=True):
-        rel = Path(root).relative_to(original)
-        dirs[:] = sorted(
-            d for d in dirs if d not in _SKIPPED_DIRS and not (rel == Path(".") and d in transformers)
-        )
-        for name in sorted(names):
-            require_regular_file(Path(root) / name)
-            files.append(rel / name)
-    return files
-
-
-def copy_file(src: Path, dst: Path, progress: Callable[[int], None]) -> int:
-    """Copy one file in bounded chunks (a signal is handled between chunks, even for a huge file)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
-        size = os.fstat(fin.fileno()).st_size
-        copy_range(fin, 0, size, fout, progress, str(src))
-    shutil.copymode(src, dst)
-    return size
-
-
-def _write_transformer(plan: TransformerPlan, out_dir: Path, progress: Callable[[int], None]) -> None:
-    start = time.perf_counter()
-    out_dir.mkdir()
-    files = write_checkpoint(out_dir, WEIGHTS_BASENAME, plan.shards, progress)
-    (out_dir / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-    (out_dir / DESCRIPTION_NAME).write_text(json.dumps(plan.description, indent=2) + "\n")
-    for extra in plan.extra_files:
-        if extra.is_dir():
-            shutil.copytree(extra, out_dir / extra.name)
-        else:
-            copy_file(extra, out_dir / extra.name, progress)
-    plan.report.files = [*files, "config.json", DESCRIPTION_NAME, *(p.name for p in plan.extra_files)]
-    plan.report.bytes_out = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file())
-    plan.report.seconds = round(time.perf_counter() - start, 3)
-
-
 def _check_options(
     weight_layout: str, non_block_quantized: str, max_shard_size: int | None, mxfp8_layers: str
 ) -> None:
@@ -301,65 +233,15 @@ def _check_input_dirs(original: Path, quant: Path) -> None:
         raise CheckpointError(f"quantized export directory {quant} does not exist")
 
 
-def _write_output(
-    original: Path,
-    output: Path,
-    components: list[Path],
-    plans: list[TransformerPlan],
-    *,
-    progress: bool | None,
-    overwrite: bool,
-) -> None:
-    """Build the output in a staging directory and rename it into place.
-
-    On any failure or interruption the staging directory is deleted and nothing is published.
-    """
-    total = sum((original / rel).stat().st_size for rel in components)
-    total += sum(plan.report.bytes_out for plan in plans)
-    bar = tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc="merge",
-        disable=None if progress is None else not progress,
-    )
-    stage = staging.create(output)
-    try:
-        with bar:
-            for rel in components:
-                copy_file(original / rel, stage / rel, bar.update)
-            for plan in plans:
-                bar.set_description(f"merge {plan.report.name}")
-                _write_transformer(plan, stage / plan.report.name, bar.update)
-        staging.publish(stage, output, overwrite)
-    except BaseException:
-        staging.discard(stage)
-        raise
-
-
-def handle_stale_staging(output: Path, dry_run: bool) -> list[str]:
-    """Staging directories left by killed merges (any target, see :mod:`.staging`): removed, or in a
-    dry run only reported. Runs first, so that even a merge that fails validation cleans them."""
-    if not dry_run:
-        return [str(p) for p in staging.remove_stale(output)]
-    found = [str(p) for p in staging.stale_dirs(output)]
-    for path in found:
-        logger.warning("%s was left by an interrupted merge; the next merge (not --dry-run) removes it", path)
-    return found
-
-
-def derived_names(
-    pipeline: str | None,
-    class_name: str,
-    config: Mapping[str, Any],
-    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
-) -> dict:
-    """The default :data:`NamesProvider`: :func:`vllm_omni_mxfp4.models.derive_names` (imports
-    vLLM-Omni, once per process and model)."""
-    from ..models import derive_names
-
-    return derive_names(pipeline, class_name, config, tensors)
+def _outputs(plans: list[TransformerPlan]) -> list[ComponentOutput]:
+    """What :func:`~vllm_omni_mxfp4.publish.output.publish` writes for each merged transformer."""
+    return [
+        ComponentOutput(
+            plan.report.name, plan.report, plan.shards, plan.config, {DESCRIPTION_NAME: plan.description},
+            plan.extra_files,
+        )
+        for plan in plans
+    ]  # fmt: skip
 
 
 def _model_names(
@@ -367,7 +249,7 @@ def _model_names(
 ) -> ModelNames:
     """One original transformer's runtime names, from ``provider`` (vLLM-Omni's model class)."""
     config = original_config(directory, model.transformer_class)
-    tensors = {name: (ref.dtype, ref.shape) for name, ref in original_archive(directory).items()}
+    tensors = {name: (ref.dtype, ref.shape) for name, ref in diffusers_archive(directory).items()}
     return derived_model_names(
         directory, model.transformer_class, config, tensors, provider, pipeline, model.export_names
     )
@@ -432,7 +314,8 @@ def merge(
     K/2)`` weights, ``"numeric"`` writes their FP4 values as BF16 ``(N, K)``; ``max_shard_size`` (bytes)
     shards each transformer's weights; ``mxfp8_layers``: ``"keep"`` W8A8 MXFP8 layers or take them from
     the original (``"bf16"``); ``dry_run`` validates and reports without writing; ``progress``: a tqdm bar
-    on stderr (``None``: only on a terminal); ``names_provider``: default :func:`derived_names`. Raises
+    on stderr (``None``: only on a terminal); ``names_provider``: default
+    :func:`~vllm_omni_mxfp4.models.derive_names`. Raises
     :class:`CheckpointError` for invalid input; on any failure or interruption no output is left."""
     start = time.perf_counter()
     _check_options(weight_layout, non_block_quantized, max_shard_size, mxfp8_layers)
@@ -446,7 +329,7 @@ def merge(
         model,
         original,
         quant,
-        names_provider or derived_names,
+        names_provider or derive_names,
         weight_layout=weight_layout,
         max_shard_size=max_shard_size,
         non_block_quantized=non_block_quantized,
@@ -454,21 +337,20 @@ def merge(
     )
     components = component_files(original, {source.folder for source in model.transformers})
     report = MergeReport(
-        model_type=resolved_type,
-        original_model=str(original),
-        quant_path=str(quant),
-        output_path=str(output),
-        weight_layout=weight_layout,
-        dry_run=dry_run,
-        transformers=[plan.report for plan in plans],
-        copied_files=len(components),
-        copied_bytes=sum((original / rel).stat().st_size for rel in components),
-        seconds=0.0,
-        removed_stale=[] if dry_run else stale,
-        stale_staging=stale if dry_run else [],
-    )
+        resolved_type, str(original), str(quant), str(output), weight_layout, dry_run,
+        [plan.report for plan in plans], len(components), sum((original / rel).stat().st_size for rel in components),
+        0.0, removed_stale=[] if dry_run else stale, stale_staging=stale if dry_run else [],
+    )  # fmt: skip
     if not dry_run:
-        _write_output(original, output, components, plans, progress=progress, overwrite=overwrite)
+        publish(
+            original,
+            output,
+            components,
+            _outputs(plans),
+            desc="merge",
+            progress=progress,
+            overwrite=overwrite,
+        )
         _log_written(plans)
     report.seconds = round(time.perf_counter() - start, 3)
     return report

@@ -2,7 +2,7 @@
 
 Everything is planned and checked first (detection, names, the target's Linears: headers only), then
 the output is written into a staging directory beside the target and renamed into place
-(:mod:`vllm_omni_mxfp4.checkpoint.staging`, the merge's), so a refusal, an error or an interruption
+(:mod:`vllm_omni_mxfp4.publish`, the merge's write loop), so a refusal, an error or an interruption
 leaves no output. Each layer is requantized when the writer reaches it and freed before the next:
 memory stays at one layer's result plus row-chunk temporaries.
 """
@@ -10,26 +10,26 @@ memory stays at one layer's result plus row-chunk temporaries.
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from vllm_omni_mxfp4 import spec
-from vllm_omni_mxfp4.checkpoint import staging
-from vllm_omni_mxfp4.checkpoint.merger import check_output, component_files, copy_file, handle_stale_staging
-from vllm_omni_mxfp4.checkpoint.plan import WEIGHTS_BASENAME
 from vllm_omni_mxfp4.errors import CheckpointError
 from vllm_omni_mxfp4.formats.requant import REQUANT_RULES
-from vllm_omni_mxfp4.safetensors_io import write_checkpoint
+from vllm_omni_mxfp4.publish.output import (
+    ComponentOutput,
+    check_output,
+    component_files,
+    handle_stale_staging,
+    publish,
+)
 from vllm_omni_mxfp4.sources.nvfp4 import SourceError, detect_nvfp4
 
-from .plan import ComponentPlan, ComponentReport, plan_component
+from .plan import ComponentPlan, ConvertedComponent, plan_conversion
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class ConvertReport:
     output_path: str
     scale_rule: str
     dry_run: bool
-    components: list[ComponentReport]
+    components: list[ConvertedComponent]
     copied_files: int
     copied_bytes: int
     seconds: float = 0.0
@@ -73,50 +73,24 @@ def _nvfp4_components(pipeline: Path) -> list[str]:
     return found
 
 
-def _write_component(plan: ComponentPlan, out_dir: Path, progress) -> None:
-    start = time.perf_counter()
-    out_dir.mkdir(exist_ok=True)
-    try:
-        files = write_checkpoint(out_dir, WEIGHTS_BASENAME, plan.shards, progress)
-    finally:
-        plan.reader.close()
-    (out_dir / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
-    for extra in plan.extra_files:
-        if extra.is_dir():
-            shutil.copytree(extra, out_dir / extra.name)
-        else:
-            copy_file(extra, out_dir / extra.name, progress)
-    report = plan.report
-    for layer in report.layers:
+def _record_errors(plan: ComponentPlan) -> None:
+    """Each requantized layer's error, known once its bytes are written, into the report."""
+    for layer in plan.report.layers:
         error = plan.errors.get(layer.source) if layer.action == "mxfp4" else None
         if error is not None:
             layer.rel_rms, layer.max_abs = error.rel_rms, error.max_abs
             layer.exact_blocks, layer.total_blocks = error.exact_blocks, error.total_blocks
-    report.files = [*files, "config.json", *(p.name for p in plan.extra_files)]
-    report.bytes_out = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())
-    report.seconds = round(time.perf_counter() - start, 3)
 
 
-def _write_output(
-    source: Path, output: Path, copies: list[Path], plans: list[ComponentPlan], progress, overwrite: bool
-) -> None:
-    """Copy the other files and write each component in a staging directory, then publish it."""
-    total = sum((source / rel).stat().st_size for rel in copies)
-    total += sum(t.nbytes for plan in plans for shard in plan.shards for t in shard)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
-               disable=None if progress is None else not progress)  # fmt: skip
-    stage = staging.create(output)
-    try:
-        with bar:
-            for rel in copies:
-                copy_file(source / rel, stage / rel, bar.update)
-            for plan in plans:
-                bar.set_description(f"convert {plan.report.name}")
-                _write_component(plan, stage / plan.report.name, bar.update)
-        staging.publish(stage, output, overwrite)
-    except BaseException:
-        staging.discard(stage)
-        raise
+def _outputs(plans: list[ComponentPlan]) -> list[ComponentOutput]:
+    """What :func:`~vllm_omni_mxfp4.publish.output.publish` writes for each converted component."""
+    return [
+        ComponentOutput(
+            plan.report.name, plan.report, plan.shards, plan.config, {}, plan.extra_files,
+            close=plan.reader.close, finished=functools.partial(_record_errors, plan),
+        )
+        for plan in plans
+    ]  # fmt: skip
 
 
 def convert(
@@ -128,14 +102,16 @@ def convert(
     dry_run: bool = False,
     overwrite: bool = False,
     progress: bool | None = None,
+    workers: int = 1,
 ) -> ConvertReport:
     """Convert an NVFP4 pipeline or transformer directory into an offline MXFP4 one.
 
     ``input_path``: a diffusers pipeline (``model_index.json``; each NVFP4 component is converted,
     every other file copied byte for byte) or one transformer directory. ``scale_rule``: one of
     :data:`~vllm_omni_mxfp4.formats.requant.REQUANT_RULES`. ``dry_run`` plans and reports without
-    computing or writing. Raises :class:`CheckpointError` for anything refused; on any failure or
-    interruption no output is left.
+    computing or writing. ``workers``: threads that requantize each layer's row chunks (the caller
+    runs torch with one intra-op thread then; the command line does). Raises :class:`CheckpointError`
+    for anything refused; on any failure or interruption no output is left.
     """
     start = time.perf_counter()
     if scale_rule not in REQUANT_RULES:
@@ -149,7 +125,9 @@ def convert(
     check_output(output, [source], overwrite)
     pipeline = (source / "model_index.json").is_file()
     names = _nvfp4_components(source) if pipeline else ["."]
-    plans = [plan_component(source / name, name, scale_rule, max_shard_size) for name in names]
+    plans = [
+        plan_conversion(source / name, name, scale_rule, max_shard_size, workers=workers) for name in names
+    ]
     copies = component_files(source, set(names)) if pipeline else []
     report = ConvertReport(
         str(source), str(output), scale_rule, dry_run, [p.report for p in plans], len(copies),
@@ -157,7 +135,9 @@ def convert(
         removed_stale=[] if dry_run else stale, stale_staging=stale if dry_run else [],
     )  # fmt: skip
     if not dry_run:
-        _write_output(source, output, copies, plans, progress, overwrite)
+        publish(
+            source, output, copies, _outputs(plans), desc="convert", progress=progress, overwrite=overwrite
+        )
         for plan in plans:
             r = plan.report
             logger.info("%s: %d mxfp4, %d bf16, %d kept, %.2f s", r.name, r.count("mxfp4"), r.count("bf16"),
