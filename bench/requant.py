@@ -20,8 +20,8 @@ Wan2.2-A14B-sized blocks (attn1 / attn2 to_q, to_k, to_v, to_out.0 of 5120 x 512
 ModelOpt's NVFP4 layout (``quantize_nvfp4``, ``hf_quant_config.json``), then, each path in a fresh
 process, reads the file with ``safe_open`` as vLLM's loader does and produces the final MXFP4
 parameters through the library: BF16 into online ``mxfp4`` Linears (``weight_loader``, then
-``process_weights_after_loading``); NVFP4 through the plan the engine builds (``plan_component``),
-offline Linears built under it, :func:`~vllm_omni_mxfp4.omni.nvfp4_loading.convert_stream` on the
+``process_weights_after_loading``); NVFP4 through the plan the engine builds (``plan_nvfp4_expert``),
+offline Linears built under it, :func:`~vllm_omni_mxfp4.hooks.nvfp4_loading.convert_stream` on the
 tensor stream, ``weight_loader`` and ``process_weights_after_loading``, per rule. The files are in
 the page cache (just written, and read once by the first run). The first run samples anonymous RSS
 (file-backed pages of the mapped checkpoint are page cache, not counted): peak extra = peak above
@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -52,7 +53,8 @@ from safetensors.torch import save_file
 from vllm_omni_mxfp4 import spec
 from vllm_omni_mxfp4.formats import quantize_mx
 from vllm_omni_mxfp4.formats.nvfp4 import quantize_nvfp4
-from vllm_omni_mxfp4.formats.requant import REQUANT_RULES, requantize_nvfp4
+from vllm_omni_mxfp4.formats.requant import REQUANT_RULES
+from vllm_omni_mxfp4.kernels.requant import requantize_nvfp4
 
 
 class PeakRss:
@@ -156,15 +158,21 @@ def read_stream(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def build_linears(ctx: Callable, spec: dict, names: list[tuple[str, int, int]]) -> dict[str, torch.nn.Module]:
-    """Checkpoint layer -> a vLLM Linear built with ``spec``'s config and the runtime name's prefix
-    (its route), as the model's constructor would build it."""
+def build_linears(
+    ctx: Callable, spec: dict, names: list[tuple[str, int, int]], plan: Any = None
+) -> dict[str, torch.nn.Module]:
+    """Checkpoint layer -> a vLLM Linear built with ``spec``'s config (carrying the NVFP4 ``plan`` as a
+    route override, as the expert's build does) and the runtime name's prefix (its route), as the
+    model's constructor would build it."""
     from vllm.model_executor.layers.linear import ColumnParallelLinear
 
+    from vllm_omni_mxfp4.hooks.nvfp4_loading import runtime_name
     from vllm_omni_mxfp4.omni import build_quant_config
-    from vllm_omni_mxfp4.omni.nvfp4_loading import runtime_name
+    from vllm_omni_mxfp4.omni.routes import with_override
 
     qc = build_quant_config(spec)
+    if plan is not None:
+        qc = with_override(qc, plan)
     with ctx():
         return {
             name: ColumnParallelLinear(
@@ -189,7 +197,7 @@ def load_into(ctx: Callable, linears: dict[str, torch.nn.Module], stream: Iterab
 def runtime_tree(linears: dict[str, torch.nn.Module]) -> torch.nn.Module:
     """A module whose submodule at each layer's runtime path (``attn1.to_qkv``, ``ffn.net_0.proj``)
     is that layer's Linear, where ``convert_stream`` looks a layer's target up."""
-    from vllm_omni_mxfp4.omni.nvfp4_loading import runtime_name
+    from vllm_omni_mxfp4.hooks.nvfp4_loading import runtime_name
 
     root = torch.nn.Module()
     for name, linear in linears.items():
@@ -212,8 +220,8 @@ def load_path(
     produces the final MXFP4 parameters, returning the Linears."""
     from types import SimpleNamespace
 
+    from vllm_omni_mxfp4.hooks.nvfp4_loading import PLAN_ATTR, convert_stream, plan_nvfp4_expert
     from vllm_omni_mxfp4.omni import build_quant_config
-    from vllm_omni_mxfp4.omni.nvfp4_loading import PLAN_ATTR, building, convert_stream, plan_component
 
     names = [(f"blocks.{b}.{layer}", n, k) for b in range(blocks) for layer, n, k in layers]
     spec = {"method": "mxfp4", "backend": "emulated"}
@@ -229,9 +237,8 @@ def load_path(
     od = SimpleNamespace(model=str(root / "nvfp4"), quantization_config=build_quant_config(spec))
 
     def prepare() -> tuple:
-        plan = plan_component(od, "transformer")  # detection: what the engine does before building
-        with building(plan):
-            linears = build_linears(ctx, spec, names)
+        plan = plan_nvfp4_expert(od, "transformer")  # detection: what the engine does before building
+        linears = build_linears(ctx, spec, names, plan)
         model = runtime_tree(linears)
         setattr(model, PLAN_ATTR, plan)  # as the wrapped _create_transformer marks the built expert
         return plan, linears, model

@@ -314,6 +314,15 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "Default: one file.",
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Threads that requantize each layer (each running single-threaded torch ops, which is faster "
+        "than splitting every op). Default: torch's thread count (os.cpu_count() unless OMP_NUM_THREADS "
+        "says otherwise).",
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="Detect, plan and report; compute and write nothing."
     )
     parser.add_argument("--overwrite", action="store_true", help="Replace an existing output directory.")
@@ -356,7 +365,16 @@ def format_convert_summary(report) -> str:
 
 def run_convert(args: argparse.Namespace) -> int:
     """Run ``convert`` for parsed arguments; prints the summary or the error; returns the exit status."""
+    import torch
+
     from .convert import convert
+
+    workers = args.threads or torch.get_num_threads()
+    if workers < 1:
+        print(f"error: --threads must be at least 1, got {workers}", file=sys.stderr)
+        return 2
+    if workers > 1:
+        torch.set_num_threads(1)  # the workers run single-threaded ops (kernels/requant.py)
 
     def work():
         return convert(
@@ -366,6 +384,7 @@ def run_convert(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             dry_run=args.dry_run,
             overwrite=args.overwrite,
+            workers=workers,
         )
 
     return run_guarded(args, work, format_convert_summary)

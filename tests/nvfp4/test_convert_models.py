@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 from tests.nvfp4.checkpoints import MODELOPT_FIXTURES, dequantized_copy, pack_component
 from tests.support import flux1_export, msmodelslim_sd
 from vllm_omni_mxfp4.checkpoint import CheckpointError
-from vllm_omni_mxfp4.checkpoint.merger import derived_names
 from vllm_omni_mxfp4.convert import convert
 from vllm_omni_mxfp4.convert.targets import TARGETS
+from vllm_omni_mxfp4.models import derive_names
 from vllm_omni_mxfp4.models.names import DIFFUSERS_EXPORT_NAMES, ModelNames
 from vllm_omni_mxfp4.sources.nvfp4 import detect_nvfp4
 
@@ -92,7 +92,7 @@ def test_the_fixed_wan_table_agrees_with_the_class() -> None:
             elif param == "weight":  # its scales have no place in the BF16 original
                 tensors[key] = ("BF16", tuple(layer.shape))
     names = ModelNames.from_dict(
-        derived_names("WanPipeline", "WanTransformer3DModel", config, tensors), DIFFUSERS_EXPORT_NAMES
+        derive_names("WanPipeline", "WanTransformer3DModel", config, tensors), DIFFUSERS_EXPORT_NAMES
     )
     fixed = TARGETS["WanTransformer3DModel"]
     layers = names.linear_layers()

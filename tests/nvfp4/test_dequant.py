@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from tests.nvfp4 import reference
 from tests.nvfp4.checkpoints import write_checkpoint
-from tests.nvfp4.producers.comfy import comfy_layer
+from tests.nvfp4.producers.comfy import comfy_layer, marker_tensor
 from tests.nvfp4.producers.compressed import ct_config, ct_layer
 from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight, dequantize_nvfp4, e4m3_to_float
 from vllm_omni_mxfp4.sources.nvfp4 import detect_nvfp4, load_nvfp4_weight
@@ -169,3 +169,64 @@ def test_compressed_tensors_own_dequant_is_reproduced_bit_for_bit(tmp_path: Path
     )
     ours = dequantize_nvfp4(load_nvfp4_weight(layer, packed.__getitem__), order="scale_first")
     assert same_values(ours, truth)
+
+
+def _fp8_layer_values(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 E4M3 codes times their scale, from the bit fields and Python floats (independent of the
+    package): float32 per tensor or per row, or uint8 E8M0 codes per 32 inputs."""
+    codes = weight.view(torch.uint8).tolist()
+    n, k = weight.shape
+    if scale.dtype == torch.uint8:
+        factor = [[2.0 ** (c - 127) for c in row] for row in scale.tolist()]
+        per = [[factor[r][c // 32] for c in range(k)] for r in range(n)]
+    else:
+        s = scale.reshape(-1).tolist()
+        per = [[s[0] if len(s) == 1 else s[r]] * k for r in range(n)]
+    return torch.tensor(
+        [[reference.e4m3_value(codes[r][c]) * per[r][c] for c in range(k)] for r in range(n)],
+        dtype=torch.float64,
+    )
+
+
+@pytest.mark.parametrize("form", ["tensor", "row", "e8m0"])
+def test_fp8_layers_of_a_comfy_checkpoint_load_and_convert_with_their_scale_form(
+    tmp_path: Path, form
+) -> None:
+    """An FP8 layer next to NVFP4 ones is dequantized to BF16 by the engine's weight stream and by
+    ``convert`` alike, whatever form its scale has: Comfy's ``mxfp8`` layers carry E8M0 codes per
+    32 inputs ``(N, K/32)``, which read as a per-row float scale would be silently wrong."""
+    from vllm_omni_mxfp4.config import Mxfp4Config
+    from vllm_omni_mxfp4.hooks.nvfp4_loading import PLAN_ATTR, Nvfp4Plan, convert_stream
+    from vllm_omni_mxfp4.sources.nvfp4.dequant import dequantize_layer
+
+    gen = torch.Generator().manual_seed(11)
+    n, k = 64, 256
+    weight = torch.randint(0, 0x7F, (n, k), dtype=torch.uint8, generator=gen)
+    weight[weight == 0x7F] = 0x10
+    weight = weight.view(torch.float8_e4m3fn)
+    scale = {
+        "tensor": torch.tensor(0.03125, dtype=torch.float32),
+        "row": torch.rand(n, generator=gen) * 0.1 + 0.01,
+        "e8m0": torch.randint(110, 135, (n, k // 32), dtype=torch.uint8, generator=gen),
+    }[form]
+    fmt = "mxfp8" if form == "e8m0" else "float8_e4m3fn"
+    tensors = comfy_layer("blocks.0.ffn.net.0.proj", torch.randn(128, 256, generator=gen).bfloat16())
+    tensors |= {
+        "blocks.0.ffn.net.2.weight": weight,
+        "blocks.0.ffn.net.2.weight_scale": scale,
+        "blocks.0.ffn.net.2.comfy_quant": marker_tensor({"format": fmt}),
+    }
+    directory = write_checkpoint(tmp_path / "comfy", tensors)
+    checkpoint = detect_nvfp4(directory)
+    layer = checkpoint.layers["blocks.0.ffn.net.2"]
+    assert layer.action == "dequantize"
+    want = _fp8_layer_values(weight, scale).float().bfloat16()  # float32 products, rounded once more
+
+    assert torch.equal(dequantize_layer(layer, tensors.__getitem__, torch.bfloat16), want)
+    plan = Nvfp4Plan.of(
+        "transformer", directory, checkpoint, Mxfp4Config(is_checkpoint_mxfp4_serialized=True)
+    )
+    model = torch.nn.Module()
+    setattr(model, PLAN_ATTR, plan)
+    streamed = dict(convert_stream(model, [(n_, t) for n_, t in tensors.items() if "net.2" in n_]))
+    assert torch.equal(streamed["blocks.0.ffn.net.2.weight"], want)

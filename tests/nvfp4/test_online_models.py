@@ -23,8 +23,8 @@ from tests.nvfp4.checkpoints import pack_component
 from tests.platform.omni_procs import Job, omni_installed, run_engine_job, subprocess_env
 from tests.support import flux1_export
 from vllm_omni_mxfp4.checkpoint import CheckpointError
+from vllm_omni_mxfp4.hooks.nvfp4_loading import plan_nvfp4_expert
 from vllm_omni_mxfp4.omni import build_quant_config
-from vllm_omni_mxfp4.omni.nvfp4_loading import plan_component
 
 pytestmark = pytest.mark.skipif(not omni_installed(), reason="vllm / vllm-omni not installed")
 
@@ -92,7 +92,7 @@ def od_config(model: Path, pipeline: str = "FluxPipeline") -> SimpleNamespace:
 
 
 def test_the_plan_takes_the_names_of_the_pipelines_class(nvfp4_flux) -> None:
-    plan = plan_component(od_config(nvfp4_flux[0]), "transformer", derived=True)
+    plan = plan_nvfp4_expert(od_config(nvfp4_flux[0]), "transformer", derived=True)
     assert plan.runtime["single_transformer_blocks.0.attn.to_v"] == "single_transformer_blocks.0.attn.to_qkv"
     assert plan.modules["single_transformer_blocks.0.attn.to_v"] == "single_transformer_blocks.0.attn.to_qkv"
     assert plan.runtime["transformer_blocks.0.ff.net.0.proj"] == "transformer_blocks.0.ff.net.0.proj"
@@ -109,7 +109,7 @@ def test_a_tensor_the_class_does_not_load_is_refused_before_the_build(nvfp4_flux
     tensors["single_transformer_blocks.0.attn.to_z.bias"] = torch.zeros(4, dtype=torch.bfloat16)
     save_file(tensors, str(path), {"format": "pt"})
     with pytest.raises(CheckpointError) as info:
-        plan_component(od_config(root), "transformer", derived=True)
+        plan_nvfp4_expert(od_config(root), "transformer", derived=True)
     assert "single_transformer_blocks.0.attn.to_z.bias" in str(info.value)
     assert "FluxTransformer2DModel" in str(info.value)
 
@@ -121,7 +121,7 @@ def test_a_config_naming_another_class_is_refused(nvfp4_flux, tmp_path) -> None:
     config["_class_name"] = "QwenImageTransformer2DModel"
     (root / "transformer" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError) as info:
-        plan_component(od_config(root, "QwenImagePipeline"), "transformer", derived=True)
+        plan_nvfp4_expert(od_config(root, "QwenImagePipeline"), "transformer", derived=True)
     message = str(info.value)
     assert message.startswith(f"{root / 'transformer'}: original tensor ")
     assert "is not loaded by vLLM-Omni's QwenImageTransformer2DModel" in message

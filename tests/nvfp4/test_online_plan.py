@@ -12,8 +12,8 @@ import torch
 from tests.nvfp4.checkpoints import MODELOPT_FIXTURES, fixture_tensors
 from vllm_omni_mxfp4.config import LayerRoute, Mxfp4Config, Mxfp4DualScaleConfig, Precision
 from vllm_omni_mxfp4.config.reconcile import nvfp4_source_config
-from vllm_omni_mxfp4.omni.nvfp4_loading import PLAN_ATTR, Nvfp4Plan, convert_stream
-from vllm_omni_mxfp4.omni.report import TransformerReport
+from vllm_omni_mxfp4.hooks.nvfp4_loading import PLAN_ATTR, Nvfp4Plan, convert_stream
+from vllm_omni_mxfp4.inspection.engine import LoadedTransformer
 from vllm_omni_mxfp4.sources.nvfp4 import SourceError, detect_nvfp4
 
 W4A4 = LayerRoute(Precision.W4A4, (), "W4A4", "x")
@@ -75,7 +75,8 @@ def test_a_fused_projection_with_a_kept_part_runs_bf16():
     kept = plan.checkpoint.layers["blocks.0.attn1.norm_k"]  # any stored-unquantized record
     plan.checkpoint.layers["blocks.0.attn1.to_v"] = dataclasses.replace(kept, name="blocks.0.attn1.to_v")
     route = plan.route("blocks.0.attn1.to_qkv", W4A4)
-    assert route.precision is Precision.BF16 and "most precise part" in route.reason
+    assert route.precision is Precision.BF16 and "fused at runtime into blocks.0.attn1.to_qkv" in route.reason
+    assert "a fused Linear runs in one precision" in route.reason
 
 
 def _model_with(plan: Nvfp4Plan) -> torch.nn.Module:
@@ -126,7 +127,7 @@ def test_the_report_summary_counts_the_nvfp4_records():
         {"layer": "c", "action": "dequantize"},
         {"layer": "d", "action": "keep"},
     ]
-    report = TransformerReport("transformer", 0, 0, 0, [], nvfp4=records)
+    report = LoadedTransformer("transformer", 0, 0, 0, [], nvfp4=records)
     assert report.summary().endswith(
         "; NVFP4 checkpoint: 2 layers requantized (rule mse), 1 dequantized to BF16, 1 kept as stored"
     )

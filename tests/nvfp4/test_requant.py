@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from tests.nvfp4 import reference
 from vllm_omni_mxfp4.formats import dequantize_mx, pack_fp4, quantize_mx, unpack_fp4
 from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight, dequantize_nvfp4
-from vllm_omni_mxfp4.formats.requant import REQUANT_RULES, requantize_nvfp4
+from vllm_omni_mxfp4.formats.requant import REQUANT_RULES
+from vllm_omni_mxfp4.kernels.requant import requantize_nvfp4
 
 FIXTURES = Path(__file__).parent / "fixtures" / "modelopt"
 RULES = [r for r in REQUANT_RULES if r != "mse"]
@@ -261,7 +262,7 @@ def test_gain_bounds_hold_for_every_scale_byte_slot_and_code() -> None:
     squared, is at least what the element's squared error drops from a slot's exponent to the one
     below and less than one step above it, recomputed in Python floats for every E4M3 byte, every
     slot and code, under three global scales."""
-    from vllm_omni_mxfp4.formats import requant
+    from vllm_omni_mxfp4.kernels import requant
 
     used = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
     for g in (1.0, 0.0123, 37.0):
@@ -289,35 +290,64 @@ def test_gain_bounds_hold_for_every_scale_byte_slot_and_code() -> None:
                     assert got >= bound and got < max(bound, 0.0) + 1 + 1e-6, (g, byte, slot, c, got, bound)
 
 
-def test_worker_threads_give_the_single_thread_result_and_restore_the_thread_count(monkeypatch) -> None:
-    """On the CPU the row chunks are spread over worker threads running single-threaded ops; the
-    bytes and the report do not depend on it, and torch's thread count is what it was, also for
-    threads started afterwards."""
-    import threading
-
-    from vllm_omni_mxfp4.formats import nvfp4, requant
+def test_workers_give_the_one_thread_result_and_change_no_thread_setting(monkeypatch) -> None:
+    """``workers`` spreads the row chunks over threads; the bytes and the report do not depend on it,
+    and the kernel never changes torch's thread count (inside the engine that is the engine's
+    business; the convert command line sets it)."""
+    from vllm_omni_mxfp4.formats import nvfp4
+    from vllm_omni_mxfp4.kernels import requant
 
     monkeypatch.setattr(requant, "CHUNK_ELEMENTS", 1 << 16)
     w = random_weight(384, 2048, seed=13)
     assert len(list(nvfp4.row_slices(384, 2048, requant.CHUNK_ELEMENTS))) > 2
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = requantize_nvfp4(w, "mse")
-        torch.set_num_threads(3)
-        spread = requantize_nvfp4(w, "mse")
-        assert torch.get_num_threads() == 3
-        seen = []
-        probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-        probe.start()
-        probe.join()
-        assert seen == [3]
-    finally:
-        torch.set_num_threads(before)
+
+    def refuse(*_):
+        raise AssertionError("the requantization kernel changed torch's thread count")
+
+    monkeypatch.setattr(torch, "set_num_threads", refuse)
+    single = requantize_nvfp4(w, "mse")
+    spread = requantize_nvfp4(w, "mse", workers=3)
     assert torch.equal(single.data, spread.data) and torch.equal(single.scale, spread.scale)
     assert single.error.exact_blocks == spread.error.exact_blocks
     assert single.error.rel_rms == pytest.approx(spread.error.rel_rms, rel=1e-12)
     assert single.error.max_abs == spread.error.max_abs
+
+
+def _cubed(n: int, k: int, seed: int) -> Nvfp4Weight:
+    from vllm_omni_mxfp4.formats.nvfp4 import quantize_nvfp4
+
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_nvfp4(torch.randn(n, k, generator=gen).pow(3).bfloat16(), "cubed")
+
+
+@pytest.mark.parametrize("rule", REQUANT_RULES)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: random_weight(64, 512, seed=21),
+        lambda: awkward_weight(seed=22),
+        lambda: _cubed(96, 528, seed=23),
+        lambda: constructed_lossless(24)[0],
+    ],
+    ids=["random-codes", "awkward", "cubed-gaussian-partial-block", "lossless"],
+)
+def test_the_kernel_computes_the_definition(rule: str, make) -> None:
+    """The table kernel (what serving and convert run) gives the bytes and the report of the readable
+    definition in ``formats/requant.py``, for every rule, on random codes over 14 octaves of scales,
+    every E4M3 byte with per-row global divisors, a cubed Gaussian with a partial last block, and
+    blocks that round-trip exactly."""
+    from vllm_omni_mxfp4.formats import requant as definition
+
+    w = make()
+    fast, defined = requantize_nvfp4(w, rule), definition.requantize_nvfp4(w, rule)
+    assert torch.equal(fast.scale, defined.scale)
+    assert torch.equal(fast.data, defined.data)
+    assert (fast.error.exact_blocks, fast.error.total_blocks) == (
+        defined.error.exact_blocks,
+        defined.error.total_blocks,
+    )
+    assert fast.error.max_abs == defined.error.max_abs
+    assert fast.error.rel_rms == pytest.approx(defined.error.rel_rms, rel=1e-9, abs=1e-12)
 
 
 def test_floor_code_zero_blocks_are_zeroed_like_quantize_mx() -> None:

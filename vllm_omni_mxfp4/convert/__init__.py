@@ -10,7 +10,7 @@ Torch is needed here (the requantization), unlike :mod:`vllm_omni_mxfp4.checkpoi
 staging and validation this package reuses.
 """
 
-from .plan import ComponentReport, LayerReport
+from .plan import ConvertedComponent, LayerReport
 from .run import DEFAULT_RULE, ConvertReport, convert
 
-__all__ = ["DEFAULT_RULE", "ComponentReport", "ConvertReport", "LayerReport", "convert"]
+__all__ = ["DEFAULT_RULE", "ConvertedComponent", "ConvertReport", "LayerReport", "convert"]

@@ -22,17 +22,17 @@ bytes when the writer reaches them (:mod:`.tensors`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_omni_mxfp4 import spec
-from vllm_omni_mxfp4.checkpoint.merger import NamesProvider, derived_names
 from vllm_omni_mxfp4.config import Mxfp4Config
 from vllm_omni_mxfp4.config.keys import layer_order
 from vllm_omni_mxfp4.errors import CheckpointError, read_json_object
+from vllm_omni_mxfp4.models import derive_names
+from vllm_omni_mxfp4.models.names import NamesProvider
 from vllm_omni_mxfp4.safetensors_io import (
     CopyBytes,
     OutputTensor,
@@ -42,10 +42,11 @@ from vllm_omni_mxfp4.safetensors_io import (
 )
 from vllm_omni_mxfp4.sources.nvfp4 import LayerSource, SourceError, detect_nvfp4, original_tensors
 from vllm_omni_mxfp4.sources.nvfp4.names import Renamed, bfl_module, bfl_param, is_bfl
+from vllm_omni_mxfp4.sources.nvfp4.routing import decide_linear, part_action
 
 from .reader import TensorReader
 from .targets import TARGETS, TargetModel, derived_target
-from .tensors import Float32Of, Fp8ToBf16, LayerCache, Nvfp4ToBf16, RequantLayer, RequantTensor, RowsOf
+from .tensors import DequantizedToBf16, Float32Of, LayerCache, RequantLayer, RequantTensor, RowsOf
 
 DROPPED_PARAMS = frozenset({"input_scale", "comfy_quant", "weight_scale_2", "weight_global_scale"})
 """NVFP4 tensors the MXFP4 layout has no use for (activations are quantized dynamically)."""
@@ -69,7 +70,7 @@ class LayerReport:
 
 
 @dataclass
-class ComponentReport:
+class ConvertedComponent:
     """One converted transformer directory (``name``: its folder in the pipeline, ``.`` alone)."""
 
     name: str
@@ -95,7 +96,7 @@ class ComponentReport:
 class ComponentPlan:
     """Everything needed to write one component: report, tensors in shards, config, extra files."""
 
-    report: ComponentReport
+    report: ConvertedComponent
     shards: list[list[OutputTensor]]
     config: dict
     extra_files: list[Path]
@@ -139,36 +140,24 @@ def _archive(directory: Path) -> dict[str, TensorRef]:
     return open_archive(files, indexes[0] if indexes else None)
 
 
-def _decide(layer: LayerSource, part: Renamed, target: TargetModel) -> _Decision:
-    if layer.action == "requantize":
-        if target.quantizable(part.name):
-            return _Decision(layer, part, "mxfp4", layer.reason)
-        reason = f"NVFP4, but {target.class_name} runs it as a plain nn.Linear (BF16)"
-        return _Decision(layer, part, "bf16", reason)
-    return _Decision(layer, part, "bf16" if layer.action == "dequantize" else "kept", layer.reason)
-
-
-def _fuse_groups(decisions: list[_Decision], target: TargetModel) -> list[_Decision]:
-    """Members of a runtime-fused group (Q/K/V) are all MXFP4 or none: an MXFP4 member of a group
-    with a BF16 or kept member is dequantized to BF16 too (never a partly quantized fused Linear)."""
-    groups: dict[str, list[_Decision]] = defaultdict(list)
-    for d in decisions:
-        if target.quantizable(d.part.name):
-            groups[target.runtime_name(d.part.name)].append(d)
-    out = []
-    for d in decisions:
-        group = groups.get(target.runtime_name(d.part.name), []) if target.quantizable(d.part.name) else []
-        others = sorted(m.part.name for m in group if m.action != "mxfp4")
-        if d.action == "mxfp4" and others:
-            reason = f"fused at runtime into {target.runtime_name(d.part.name)} with {', '.join(others)}, not NVFP4"
-            d = dataclasses.replace(d, action="bf16", reason=reason)
-        out.append(d)
-    return out
-
-
 def _modules(layers, rename: Callable[[str], tuple[Renamed, ...]], target: TargetModel) -> list[_Decision]:
-    decisions = [_decide(layer, part, target) for layer in layers.values() for part in rename(layer.name)]
-    return _fuse_groups(decisions, target)
+    """Each output module's action: the parts of one runtime Linear decided together (the shared
+    NVFP4 decision, :func:`~vllm_omni_mxfp4.sources.nvfp4.routing.decide_linear`); a module of no
+    quantizable Linear is requantized nowhere (kept or dequantized as its source says)."""
+    parts = [(layer, part) for layer in layers.values() for part in rename(layer.name)]
+    groups: dict[str, list[tuple[LayerSource, Renamed]]] = defaultdict(list)
+    for layer, part in parts:
+        key = target.runtime_name(part.name) if target.quantizable(part.name) else f"plain:{part.name}"
+        groups[key].append((layer, part))
+    decided = {}
+    for members in groups.values():
+        name = members[0][1].name
+        quantizable = target.quantizable(name)
+        runtime = target.runtime_name(name) if quantizable else name
+        decision = decide_linear([layer for layer, _ in members], quantizable, target.class_name, runtime)
+        for layer, part in members:
+            decided[part.name] = _Decision(layer, part, part_action(layer, decision), decision.reason)
+    return [decided[part.name] for _, part in parts]
 
 
 def _ignored(decisions: list[_Decision], target: TargetModel) -> list[str]:
@@ -204,11 +193,17 @@ def _require_smooth(decisions: list[_Decision]) -> bool:
     return bool(quantized) and all("mul_scale" in d.source.tensors for d in quantized)
 
 
-def plan_component(
-    directory: Path, name: str, rule: str, max_shard_size: int | None, provider: NamesProvider = derived_names
+def plan_conversion(
+    directory: Path,
+    name: str,
+    rule: str,
+    max_shard_size: int | None,
+    provider: NamesProvider = derive_names,
+    workers: int = 1,
 ) -> ComponentPlan:
     """Plan one NVFP4 transformer directory; raises :class:`CheckpointError` naming what is refused.
-    ``provider`` gives the runtime names of a class :mod:`.targets` has no table for."""
+    ``provider`` gives the runtime names of a class :mod:`.targets` has no table for; ``workers``: the
+    requantization's threads (:func:`vllm_omni_mxfp4.kernels.requant.requantize_nvfp4`)."""
     try:
         checkpoint = detect_nvfp4(directory)
     except SourceError as exc:
@@ -233,7 +228,7 @@ def plan_component(
             "there is nothing to convert to MXFP4"
         )
     reader = TensorReader(archive)
-    builder = _Builder(reader, rule, directory, bfl)
+    builder = _Builder(reader, rule, directory, bfl, workers)
     for d in decisions:
         builder.add_module(d)
     builder.add_leftovers(archive)
@@ -243,7 +238,7 @@ def plan_component(
         ignored_layers=tuple(ignored),
         require_smooth_scale=_require_smooth(decisions),
     ).to_checkpoint_dict()
-    report = ComponentReport(
+    report = ConvertedComponent(
         name, str(directory), checkpoint.producer, checkpoint.origin, target.class_name, rule,
         [LayerReport(d.part.name, d.source.name, d.action, d.reason, rule if d.action == "mxfp4" else None)
          for d in sorted(decisions, key=lambda d: layer_order(d.part.name))],
@@ -263,8 +258,8 @@ def plan_component(
 class _Builder:
     """Collects the output tensors of a component, module by module."""
 
-    def __init__(self, reader: TensorReader, rule: str, directory: Path, bfl: bool) -> None:
-        self.reader, self.rule, self.directory, self.bfl = reader, rule, directory, bfl
+    def __init__(self, reader: TensorReader, rule: str, directory: Path, bfl: bool, workers: int = 1) -> None:
+        self.reader, self.rule, self.directory, self.bfl, self.workers = reader, rule, directory, bfl, workers
         self.cache = LayerCache()
         self.errors: dict[str, object] = {}
         self.outputs: list[OutputTensor] = []
@@ -307,14 +302,12 @@ class _Builder:
             self._nvfp4(d)
         else:
             n, k = self.reader.ref(layer.tensors["weight"]).shape
-            source = Fp8ToBf16(
-                layer.name,
-                lambda key=layer.tensors["weight"]: self.reader.tensor(key),
-                lambda key=layer.tensors["weight_scale"]: self.reader.tensor(key),
-                part,
+            self._emit(
+                f"{part.name}.weight",
+                "BF16",
                 (n // part.parts, k),
+                self._bf16(layer, part, (n // part.parts, k)),
             )
-            self._emit(f"{part.name}.weight", "BF16", source.shape, source)
 
     def _check_params(self, layer: LayerSource) -> None:
         """Every stored tensor of the module is used or a known NVFP4 leftover; else refused."""
@@ -332,12 +325,14 @@ class _Builder:
         layer, part = d.source, d.part
         n, k = layer.shape
         rows = n // part.parts
-        load = self.reader.nvfp4_loader(layer)
         if d.action == "bf16":
-            self._emit(f"{part.name}.weight", "BF16", (rows, k), Nvfp4ToBf16(load, part, (rows, k)))
+            self._emit(f"{part.name}.weight", "BF16", (rows, k), self._bf16(layer, part, (rows, k)))
             return
+        load = self.reader.nvfp4_loader(layer)
         if layer.name not in self._requant:
-            self._requant[layer.name] = RequantLayer(layer.name, load, self.rule, self.cache, self.errors)
+            self._requant[layer.name] = RequantLayer(
+                layer.name, load, self.rule, self.cache, self.errors, self.workers
+            )
         requant = self._requant[layer.name]
         groups = spec.ceil_div(k, spec.MX_BLOCK)
         self.source_of[f"{part.name}.weight"] = self.source_of[f"{part.name}.weight_scale"] = layer.name
@@ -353,6 +348,11 @@ class _Builder:
                 )
             source = Float32Of(lambda key=layer.tensors["mul_scale"]: self.reader.tensor(key), k * 4)
             self._emit(f"{part.name}.mul_scale", "F32", (k,), source)
+
+    def _bf16(self, layer: LayerSource, part: Renamed, shape: tuple[int, int]) -> DequantizedToBf16:
+        """The BF16 output of a layer the target runs unquantized (a refusal names the file)."""
+        where = str(self.reader.ref(layer.tensors["weight"]).path)
+        return DequantizedToBf16(layer, self.reader.tensor, part, shape, where)
 
     def write_order(self, name: str) -> tuple:
         """Sort key of output tensors: by their source layer first, so that the parts of one

@@ -16,9 +16,12 @@ from typing import BinaryIO
 
 import torch
 
-from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight, dequantize_rows, row_slices
-from vllm_omni_mxfp4.formats.requant import Requantized, requantize_nvfp4
-from vllm_omni_mxfp4.formats.scale_rules import e8m0_to_float
+from vllm_omni_mxfp4.errors import CheckpointError
+from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight
+from vllm_omni_mxfp4.formats.requant import Requantized
+from vllm_omni_mxfp4.kernels.requant import requantize_nvfp4
+from vllm_omni_mxfp4.sources.nvfp4 import LayerSource, SourceError
+from vllm_omni_mxfp4.sources.nvfp4.dequant import dequantized_chunks
 from vllm_omni_mxfp4.sources.nvfp4.names import Renamed
 
 Progress = Callable[[int], None]
@@ -71,13 +74,14 @@ class RequantLayer:
     rule: str
     cache: LayerCache
     errors: dict[str, object]
+    workers: int = 1
 
     def result(self) -> Requantized:
         """The layer's MXFP4 result (computed once; its error is recorded under the layer's name)."""
         return self.cache.get(("requant", self.name, self.rule), self._compute)
 
     def _compute(self) -> Requantized:
-        result = requantize_nvfp4(self.load(), self.rule)
+        result = requantize_nvfp4(self.load(), self.rule, workers=self.workers)
         self.errors[self.name] = result.error
         return result
 
@@ -100,60 +104,35 @@ class RequantTensor:
 
 
 @dataclass(frozen=True)
-class Nvfp4ToBf16:
-    """An NVFP4 weight's exact float32 dequant rounded to BF16, written in row chunks (a layer the
-    target runs in BF16). Each element is rounded once, from the exact ``q * s * g``."""
+class DequantizedToBf16:
+    """A layer's exact dequant (:func:`~vllm_omni_mxfp4.sources.nvfp4.dequant.dequantized_chunks`:
+    NVFP4 with its ``pre_quant_scale`` folded in, or FP8 times its scale in any of its forms),
+    rounded once to BF16 and written in row chunks: a layer the target runs in BF16."""
 
-    load: Callable[[], Nvfp4Weight]
+    layer: LayerSource
+    get: Callable[[str], torch.Tensor]
     part: Renamed
     shape: tuple[int, int]
+    where: str
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * 2
 
     def write_to(self, out: BinaryIO, progress: Progress) -> None:
-        w = self.load()
-        n, k = w.shape
+        try:
+            self._write(out, progress)
+        except SourceError as exc:
+            raise CheckpointError(f"{self.where}: {exc}") from None
+
+    def _write(self, out: BinaryIO, progress: Progress) -> None:
+        _, chunks = dequantized_chunks(self.layer, self.get)
         if self.part.parts == 1 and not self.part.swap_halves:
-            for rows in row_slices(n, k):
-                write_tensor(out, dequantize_rows(w, rows).to(torch.bfloat16), progress)
+            for _, values in chunks:
+                write_tensor(out, values.to(torch.bfloat16), progress)
             return
-        full = torch.cat([dequantize_rows(w, rows).to(torch.bfloat16) for rows in row_slices(n, k)])
+        full = torch.cat([values.to(torch.bfloat16) for _, values in chunks])
         write_tensor(out, rows_of(full, self.part), progress)
-
-
-@dataclass(frozen=True)
-class Fp8ToBf16:
-    """An FP8 E4M3 weight times its scale, rounded once to BF16 (8 significant bits, FP8 has 4).
-
-    Scales: float32 per tensor ``()`` / ``(1,)``, per row ``(N,)`` / ``(N, 1)``, or uint8 E8M0 per 32
-    inputs ``(N, K/32)`` (Comfy ``mxfp8``).
-    """
-
-    name: str
-    weight: Callable[[], torch.Tensor]
-    scale: Callable[[], torch.Tensor]
-    part: Renamed
-    shape: tuple[int, int]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * 2
-
-    def write_to(self, out: BinaryIO, progress: Progress) -> None:
-        w, s = self.weight().to(torch.float32), self.scale()
-        n, k = w.shape
-        if s.dtype == torch.uint8 and s.dim() == 2 and k % 32 == 0 and tuple(s.shape) == (n, k // 32):
-            values = (w.reshape(n, -1, 32) * e8m0_to_float(s).unsqueeze(-1)).reshape(n, k)
-        elif s.dtype == torch.float32 and s.numel() in (1, n):
-            values = w * (s.reshape(()) if s.numel() == 1 else s.reshape(n, 1))
-        else:
-            raise ValueError(
-                f"{self.name}: FP8 weight_scale {s.dtype} {tuple(s.shape)} for weight {(n, k)} is neither "
-                f"per tensor, per row nor E8M0 per 32; re-export the checkpoint"
-            )
-        write_tensor(out, rows_of(values.to(torch.bfloat16), self.part), progress)
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_mxfp4.checkpoint.validate import WEIGHTS_BASENAME, original_archive
 from vllm_omni_mxfp4.config import Mxfp4Config, QuantConfig, check_model_names, reconcile_with_checkpoint
 from vllm_omni_mxfp4.config.reconcile import checkpoint_method
 from vllm_omni_mxfp4.errors import CheckpointError
-from vllm_omni_mxfp4.safetensors_io import TensorRef, open_archive
+from vllm_omni_mxfp4.safetensors_io import WEIGHTS_BASENAME, TensorRef, diffusers_archive, open_archive
 from vllm_omni_mxfp4.sources.nvfp4 import Nvfp4Checkpoint, SourceError, detect_nvfp4
+from vllm_omni_mxfp4.sources.nvfp4.routing import decide_linear
 
+from ..models.records import ModelWalk
 from .checks import attribute, base_row, layer_row
-from .records import ModelWalk
 from .report import ComponentReport, InspectReport, LayerRow
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def read_archive(directory: Path) -> dict[str, TensorRef]:
     """The tensors of a component (diffusers single file or sharded with its index, else every
     ``*.safetensors`` file in the directory): headers only."""
     if any(directory.glob(f"{WEIGHTS_BASENAME}.safetensors*")):
-        return original_archive(directory)
+        return diffusers_archive(directory)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors files")
@@ -116,23 +116,18 @@ def _detect(
 
 
 def _nvfp4_row(row: LayerRow, nvfp4: Nvfp4Checkpoint) -> None:
-    """What load-time requantization does to one runtime Linear, from its checkpoint modules."""
+    """What load-time requantization does to one runtime Linear, from its checkpoint modules (the
+    shared NVFP4 decision, :func:`~vllm_omni_mxfp4.sources.nvfp4.routing.decide_linear`)."""
     sources = [nvfp4.layers[s] for s in row.sources if s in nvfp4.layers]
-    actions = {s.action for s in sources}
-    if len(actions) > 1:
-        listed = ", ".join(f"{s.name} {s.action}" for s in sources)
-        row.problems.append(f"fused pieces differ ({listed}); the fused Linear runs one precision")
+    if not sources:
+        return
     quantizable = row.method != "bf16"  # the model gives this Linear our method
-    if actions == {"requantize"} and quantizable:
-        algo = sources[0].algo
-        row.method, row.precision = "mxfp4", ("w4a8" if algo == "W4A16_NVFP4" else "w4a4")
-        row.reason = f"{algo} ({sources[0].reason}), requantized to MXFP4 at load"
-    elif sources:
-        row.method, row.precision = "bf16", "bf16"
-        stored = actions == {"keep"}
-        row.reason = (
-            sources[0].reason if quantizable or stored else f"{row.reason}: {sources[0].algo} served in BF16"
-        )
+    decision = decide_linear(sources, quantizable, "the model", row.name)
+    row.method, row.precision = decision.method, decision.precision
+    if decision.quantized or quantizable or all(s.action == "keep" for s in sources):
+        row.reason = decision.reason
+    else:
+        row.reason = f"{row.reason}: {sources[0].algo} served in BF16"
 
 
 def _rows(walk: ModelWalk, archive: dict[str, TensorRef], quant: QuantConfig | None, nvfp4) -> list[LayerRow]:
@@ -150,7 +145,8 @@ def _rows(walk: ModelWalk, archive: dict[str, TensorRef], quant: QuantConfig | N
 
 
 def _walk(report: ComponentReport, pipeline: str | None, config: dict, quant, archive) -> ModelWalk | None:
-    from .model import ModelError, walk_model  # torch, vLLM: only when a model is walked
+    from ..models.build import ModelError  # torch, vLLM: only when a model is walked
+    from .walk import walk_model
 
     tensors = {name: (ref.dtype, ref.shape) for name, ref in archive.items()}
     try:

@@ -26,7 +26,8 @@ import torch
 
 from vllm_omni_mxfp4.formats import dequantize_mx, fake_quantize_mx, quantize_mx
 from vllm_omni_mxfp4.formats.nvfp4 import dequantize_nvfp4, fake_quantize_nvfp4, quantize_nvfp4
-from vllm_omni_mxfp4.formats.requant import REQUANT_RULES, requantize_nvfp4
+from vllm_omni_mxfp4.formats.requant import REQUANT_RULES
+from vllm_omni_mxfp4.kernels.requant import requantize_nvfp4
 
 SEED = 1234
 Emulation = tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
