@@ -18,6 +18,16 @@ from tests.support.ports import free_port
 from tests.support.tp_ranks import RankEnv
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-models",
+        action="store_true",
+        default=False,
+        help="write the tiny models' measurements to docs/models_measured.json instead of checking "
+        "them (tests/models/conftest.py)",
+    )
+
+
 @pytest.fixture(scope="module")
 def vllm_env():
     if importlib.util.find_spec("vllm_omni") is None:
@@ -29,7 +39,7 @@ def vllm_env():
         initialize_model_parallel,
     )
 
-    from vllm_omni_mxfp4.omni.plugin import register
+    from vllm_omni_mxfp4.plugin import register
 
     register()
     env = RankEnv(world=1)
