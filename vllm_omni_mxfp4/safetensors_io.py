@@ -50,6 +50,10 @@ DTYPE_SIZES: dict[str, int] = {
 
 _MAX_HEADER = 100 * 1024 * 1024
 COPY_CHUNK = 16 * 1024 * 1024
+CODE_DTYPES = frozenset({"U8", "F8_E4M3", "F8_E5M2", "F8_E8M0"})
+"""safetensors dtypes whose values messages show as bytes (E8M0 and FP8 codes, packed FP4 pairs)."""
+WEIGHTS_BASENAME = "diffusion_pytorch_model"
+"""The file name diffusers gives a model's weights (``.safetensors``, or shards with an ``.index.json``)."""
 
 Progress = Callable[[int], None]
 
@@ -230,6 +234,21 @@ def open_archive(files: Iterable[Path], index: Path | None = None) -> dict[str, 
         if name not in weight_map:
             raise CheckpointError(f"{index}: tensor {name!r} in {ref.path.name} is not listed in the index")
     return tensors
+
+
+def diffusers_archive(directory: Path) -> dict[str, TensorRef]:
+    """The tensors of a diffusers model directory (:data:`WEIGHTS_BASENAME`, one file or sharded
+    with its index): headers only."""
+    index = directory / f"{WEIGHTS_BASENAME}.safetensors.index.json"
+    single = directory / f"{WEIGHTS_BASENAME}.safetensors"
+    if index.is_file():
+        shards = sorted({directory / name for name in read_index(index).values()})
+        return open_archive([p for p in shards if p.is_file()], index)
+    if single.is_file():
+        return open_archive([single])
+    raise CheckpointError(
+        f"{directory}: no {single.name} or {index.name}; the original transformer must be diffusers safetensors"
+    )
 
 
 def _iter_raw(ref: TensorRef) -> Iterator[bytes]:

@@ -265,6 +265,46 @@ FORMAT_TENSORS: dict[str, tuple[CheckpointTensor, ...]] = {
 ``mxfp4`` unless the config sets ``require_smooth_scale``; an ``mxfp8`` layer has no Smooth)."""
 
 
+FirstBad = Callable[[ValueRule], "tuple[list[int], Any] | None"]
+"""Finds the first value a rule marks in a tensor: ``(index, value)``, or None (the caller reads
+the tensor its own way: numpy chunks from a file, one torch ``aminmax`` pass in memory)."""
+
+
+def shown_value(value: Any, codes: bool) -> str:
+    """A tensor value as messages show it: ``0xFF`` for codes (uint8, FP8 bytes), else the number."""
+    return f"0x{int(value):02X}" if codes else repr(float(value))
+
+
+def tensor_problem(
+    record: CheckpointTensor,
+    dtype: str,
+    shape: tuple[int, ...],
+    expected_shape: tuple[int, ...],
+    first_bad: FirstBad | None,
+    *,
+    dtypes: tuple[str, ...] | None = None,
+    codes: bool = False,
+) -> str | None:
+    """The first problem of one checkpoint tensor against ``record``, in words, or None: its
+    safetensors ``dtype`` among ``dtypes`` (default the record's), its ``shape`` equal to
+    ``expected_shape`` (the record's shape for the Linear's ``(N, K)``, or a fused piece's), then its
+    values by the record's rule (``first_bad`` None: not read; ``codes``: values shown as bytes).
+    The one check the merge, ``inspect`` and the runtime loader run; each words where it is."""
+    allowed = record.dtypes if dtypes is None else dtypes
+    if dtype not in allowed:
+        return f"has dtype {dtype}; expected {' or '.join(sorted(allowed))} ({record.describe()})"
+    if tuple(shape) != tuple(expected_shape):
+        return f"has shape {list(shape)}; expected {list(expected_shape)} {record.shape_text}"
+    if first_bad is None or record.values == "any":
+        return None
+    rule = record.value_rule
+    found = first_bad(rule)
+    if found is None:
+        return None
+    at, value = found
+    return f"holds {shown_value(value, codes)} at {at}; expected {rule.expected}; usual cause: {rule.cause}"
+
+
 def checkpoint_tensors(fmt: str) -> tuple[CheckpointTensor, ...]:
     """The checkpoint tensors of format ``fmt``; ``ValueError`` naming the known formats."""
     try:

@@ -284,7 +284,7 @@ def test_wrong_dtype_is_named(offline_dirs, tmp_path):
     assert_problem(
         inspect_path(bad),
         "blocks.1.attn2.to_v",
-        rf"{re.escape(name)}: dtype F16; expected F32 \(weight_dual_scale: F32 ",
+        rf"{re.escape(name)}: has dtype F16; expected F32 \(weight_dual_scale: F32 ",
     )
 
 

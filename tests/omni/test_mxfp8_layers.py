@@ -80,7 +80,7 @@ def test_a_weight_of_another_dtype_or_shape_is_refused(vllm_env, convert, found)
 def test_a_scale_of_the_wrong_shape_or_code_is_refused(vllm_env):
     ckpt, _, _ = _ckpt()
     message = _refused(vllm_env, "weight_scale", ckpt["weight_scale"][:, :4])
-    assert message == f"{PREFIX}.weight_scale: expected uint8 E8M0 codes (N, 8), got torch.uint8 (96, 4)"
+    assert message == f"{PREFIX}.weight_scale: has shape [96, 4]; expected [96, 8] (N, ceil(K/32))"
     bad = ckpt["weight_scale"].clone()
     bad[5, 2] = 0xFF
     assert "break the rule 'e8m0'" in _refused(vllm_env, "weight_scale", bad)

@@ -17,9 +17,9 @@ from pathlib import Path
 from ..config.keys import layer_order
 from ..errors import CheckpointError
 from ..models.wan import LINEAR
-from ..safetensors_io import TensorRef, first_difference
+from ..safetensors_io import TensorRef, diffusers_archive, first_difference
 from .export import FLOAT_LABEL
-from .validate import MergeInputs, original_archive
+from .validate import MergeInputs
 
 
 def identity_tensors(inputs: MergeInputs) -> list[str]:
@@ -56,7 +56,7 @@ def check_origin(inputs: MergeInputs, siblings: dict[str, Path]) -> None:
     export = inputs.export.directory
     compared = f"{len(names)} unquantized norm, modulation and embedding tensors, compared value for value"
     for folder, directory in siblings.items():
-        if _first_mismatch(inputs, names, original_archive(directory)) is None:
+        if _first_mismatch(inputs, names, diffusers_archive(directory)) is None:
             raise CheckpointError(
                 f"{export}: this export was made from {folder} ({directory}), not from {inputs.name} "
                 f"({inputs.original_dir}): its {compared}, equal {folder}'s and differ from "

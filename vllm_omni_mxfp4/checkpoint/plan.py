@@ -33,6 +33,7 @@ from ..safetensors_io import (
     TensorRef,
     UnpackFp4ToBf16,
     WidenToF32,
+    diffusers_archive,
     split_into_shards,
 )
 from .export import FLOAT_LABEL, read_export
@@ -44,17 +45,14 @@ from .validate import (
     MXFP8,
     MXFP8_POLICIES,
     NON_BLOCK_POLICIES,
-    WEIGHTS_BASENAME,
     Layers,
     MergeInputs,
-    original_archive,
 )
 
 __all__ = [
     "DESCRIPTION_NAME",
     "MXFP8_POLICIES",
     "NON_BLOCK_POLICIES",
-    "WEIGHTS_BASENAME",
     "WEIGHT_LAYOUTS",
     "TransformerPlan",
     "TransformerReport",
@@ -279,7 +277,7 @@ def check_original_unquantized(original_dir: Path, transformer_class: str) -> No
     if not original_dir.is_dir():
         raise CheckpointError(f"original transformer directory {original_dir} does not exist")
     original_config(original_dir, transformer_class)
-    for name, ref in sorted(original_archive(original_dir).items(), key=lambda item: layer_order(item[0])):
+    for name, ref in sorted(diffusers_archive(original_dir).items(), key=lambda item: layer_order(item[0])):
         if name.rsplit(".", 1)[-1] in ADDED_LEAVES or ref.dtype not in spec.FLOAT_DTYPES:
             raise CheckpointError(
                 f"{ref.path}: original tensor {name!r} ({ref.dtype}) is a quantized checkpoint's tensor; "

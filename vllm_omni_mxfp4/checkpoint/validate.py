@@ -43,18 +43,18 @@ from ..errors import CheckpointError
 from ..models.names import WAN_EXPORT_NAMES, ModelNames
 from ..models.wan import LINEAR, TensorName
 from ..safetensors_io import (
+    CODE_DTYPES,
     TensorRef,
+    diffusers_archive,
+    first_bad_value,
     first_difference,
     first_nonfinite,
-    open_archive,
-    read_index,
 )
 from .export import FLOAT_LABEL, LAYER_FORMATS, QuantExport
 from .rotation import ROWS_COMPARED, Rotations, decode_rows, is_rotation_record, read_rows
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS_BASENAME = "diffusion_pytorch_model"
 NON_BLOCK_POLICIES = ("error", "original")
 #: ``--mxfp8-layers``: keep the export's W8A8 MXFP8 layers, or take them from the BF16 original.
 MXFP8_POLICIES = ("keep", "bf16")
@@ -98,20 +98,6 @@ class Layers:
     mxfp8: list[str] = field(default_factory=list)
 
 
-def original_archive(directory: Path) -> dict[str, TensorRef]:
-    """The tensors of an original diffusers transformer directory (single file or sharded)."""
-    index = directory / f"{WEIGHTS_BASENAME}.safetensors.index.json"
-    single = directory / f"{WEIGHTS_BASENAME}.safetensors"
-    if index.is_file():
-        shards = sorted({directory / name for name in read_index(index).values()})
-        return open_archive([p for p in shards if p.is_file()], index)
-    if single.is_file():
-        return open_archive([single])
-    raise CheckpointError(
-        f"{directory}: no {single.name} or {index.name}; the original transformer must be diffusers safetensors"
-    )
-
-
 def _fail(ref: TensorRef, what: str, problem: str) -> CheckpointError:
     return CheckpointError(f"{ref.path}: {what} {ref.name!r} {problem}")
 
@@ -125,20 +111,18 @@ def _check_dtype_and_shape(
         raise _fail(t.ref, what, f"has shape {list(t.ref.shape)}; expected {list(shape)} {why}")
 
 
-def _check_values(t: ExportTensor, record: spec.CheckpointTensor) -> None:
-    """The values of a (small) tensor against its record's value rule; packed weights are not read."""
-    if record.values == "any":
-        return
-    values = t.ref.read_array()
-    rule = record.value_rule
-    bad = rule.bad(values, np)
-    if bad.any():
-        at = [int(i) for i in np.argwhere(bad)[0]]
-        value = values[tuple(at)]
-        shown = f"0x{int(value):02X}" if values.dtype.kind == "u" else str(float(value))
-        raise _fail(
-            t.ref, record.name, f"holds {shown} at {at}; expected {rule.expected}; usual cause: {rule.cause}"
-        )
+def check_record(
+    ref: TensorRef, record: spec.CheckpointTensor, expected_shape: tuple[int, ...], why: str
+) -> None:
+    """One quantized Linear's tensor against its record (:func:`vllm_omni_mxfp4.spec.tensor_problem`:
+    dtype, shape, values; packed weights are not read); a :class:`CheckpointError` naming the file,
+    the tensor and ``why`` (the Linear it belongs to)."""
+    problem = spec.tensor_problem(
+        record, ref.dtype, ref.shape, expected_shape, lambda rule: first_bad_value(ref, lambda v: rule.bad(v, np)),
+        codes=ref.dtype in CODE_DTYPES,
+    )  # fmt: skip
+    if problem is not None:
+        raise _fail(ref, record.name, f"{problem} {why}")
 
 
 def check_streamed_values(ref: TensorRef, what: str) -> None:
@@ -222,7 +206,7 @@ class MergeInputs:
         self.export = export
         self.non_block = non_block
         self.mxfp8 = mxfp8
-        self.original = original_archive(original_dir)
+        self.original = diffusers_archive(original_dir)
         self.names = names
         self.places = _parse_original_names(self.original, names)
         self.rotations = Rotations(export.description, names.attention)
@@ -376,11 +360,7 @@ class MergeInputs:
         tensors = self.by_layer[layer]
         for record in records:
             if record.name in tensors:
-                t = tensors[record.name]
-                _check_dtype_and_shape(
-                    t, record.name, record.dtypes, record.shape(n, k), f"{record.shape_text} {why}"
-                )
-                _check_values(t, record)
+                check_record(tensors[record.name].ref, record, record.shape(n, k), why)
 
     def keeps_quantized(self, layer: str) -> bool:
         """Whether a quantized Linear is written quantized: block Linears are (W8A8 MXFP8 ones unless

@@ -28,9 +28,9 @@ import numpy as np
 from vllm_omni_mxfp4 import spec
 from vllm_omni_mxfp4.config import QuantConfig
 from vllm_omni_mxfp4.config.keys import layer_order
-from vllm_omni_mxfp4.safetensors_io import TensorRef, first_bad_value
+from vllm_omni_mxfp4.safetensors_io import CODE_DTYPES, TensorRef, first_bad_value
 
-from .records import ModelWalk, RuntimeLinear
+from ..models.records import ModelWalk, RuntimeLinear
 from .report import LayerRow, TensorRow
 
 WEIGHT = spec.WEIGHT_FP4.name
@@ -78,32 +78,15 @@ def attribute(walk: ModelWalk, archive: Mapping[str, TensorRef]) -> tuple[dict[s
     return feeds, skipped
 
 
-def _value_problem(ref: TensorRef, record: spec.CheckpointTensor) -> str | None:
-    """The first value of ``ref`` that ``record``'s rule refuses, in words (bounded memory)."""
-    if record.values == "any":
-        return None
-    rule = record.value_rule
-    found = first_bad_value(ref, lambda values: rule.bad(values, np))
-    if found is None:
-        return None
-    at, value = found
-    shown = f"0x{int(value):02X}" if ref.dtype in ("U8", "F8_E4M3") else repr(value)  # codes
-    return f"{ref.name}: holds {shown} at {at}; expected {rule.expected}; usual cause: {rule.cause}"
-
-
 def _check_record(feed: Feed, record: spec.CheckpointTensor, n: int, k: int) -> list[str]:
-    """dtype, shape and values of one quantized Linear's tensor against its spec record."""
+    """dtype, shape and values of one Linear's tensor against its spec record (the merge's and the
+    loader's check, :func:`vllm_omni_mxfp4.spec.tensor_problem`; values read in bounded chunks)."""
     ref = feed.ref
-    if ref.dtype not in record.dtypes:
-        return [f"{ref.name}: dtype {ref.dtype}; expected {' or '.join(record.dtypes)} ({record.describe()})"]
-    expected = record.shape(n, k)
-    if tuple(ref.shape) != expected:
-        return [
-            f"{ref.name}: shape {list(ref.shape)}; expected {list(expected)} ({record.shape_text} for "
-            f"N={n}, K={k})"
-        ]
-    problem = _value_problem(ref, record)
-    return [problem] if problem else []
+    problem = spec.tensor_problem(
+        record, ref.dtype, ref.shape, record.shape(n, k), lambda rule: first_bad_value(ref, lambda v: rule.bad(v, np)),
+        codes=ref.dtype in CODE_DTYPES,
+    )  # fmt: skip
+    return [f"{ref.name}: {problem} for N={n}, K={k}"] if problem else []
 
 
 def _source_name(lin: RuntimeLinear, piece: int | None, feeds: list[Feed], packed: Mapping) -> str:

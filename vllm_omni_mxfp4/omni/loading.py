@@ -18,22 +18,19 @@ the installed vLLM.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import os
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.nn import Parameter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..models.wan import runtime_layer_name
+from .. import spec
 from ..formats import e2m1_decode, e2m1_encode, pack_fp4
+from ..formats.dtypes import safetensors_name
 from ..kernels import SharedBlocks
-from ..spec import FORMAT_TENSORS, CheckpointTensor, ValueRule
+from ..spec import FLOAT_DTYPES, CheckpointTensor, ValueRule
 from .state import MxLayerState, Phase, ShardGeometry
 
 logger = logging.getLogger(__name__)
@@ -48,32 +45,12 @@ _FLOATS = (
 )
 
 
-@dataclass(frozen=True)
-class _Accept:
-    """How the loader accepts one checkpoint tensor beyond its table record: which dtypes, the
-    conversion into the parameter's dtype, the shape error, and a value check made at load."""
-
-    accepts: Callable[[torch.Tensor], bool]
-    convert: Callable[[torch.Tensor], torch.Tensor]
-    shape_error: str
-
-
-_ACCEPT: dict[str, _Accept] = {
-    "weight_scale": _Accept(
-        lambda t: t.dtype == torch.uint8,
-        lambda t: t,
-        "{where}: expected uint8 E8M0 codes (N, {shape}), got {got}",
-    ),
-    "weight_dual_scale": _Accept(
-        torch.Tensor.is_floating_point,
-        torch.Tensor.float,
-        "{where}: expected float32 coarse scales (N, {shape}), got {got}",
-    ),
-    "mul_scale": _Accept(
-        torch.Tensor.is_floating_point,
-        torch.Tensor.float,
-        "{where}: expected a float32 Smooth vector ({shape},), got {got}",
-    ),
+#: The dtypes the loader accepts for each scale and Smooth tensor, wider than the stored dtypes the
+#: table lists (another producer's float precision): float scales become float32 as they load.
+_LOAD_DTYPES: dict[str, tuple[str, ...]] = {
+    "weight_scale": ("U8",),  # float8_e8m0fnu is read as its codes first
+    "weight_dual_scale": FLOAT_DTYPES,
+    "mul_scale": FLOAT_DTYPES,
 }
 
 
@@ -150,19 +127,22 @@ def row_shard(geometry: ShardGeometry, tensor: CheckpointTensor | None, t: torch
 def checked_tensor(where: str, tensor: CheckpointTensor, t: torch.Tensor, k_full: int) -> torch.Tensor:
     """A checkpoint tensor checked against ``tensor``'s record for a checkpoint K of ``k_full``
     (any N: fused layers load theirs in pieces), in the parameter's layout (packed FP4 bytes, uint8
-    E8M0 codes, float32 scales)."""
+    E8M0 codes, float32 scales): the table's check (:func:`vllm_omni_mxfp4.spec.tensor_problem`)
+    with the dtypes the loader converts, then the value rule."""
     if tensor.name == "weight":
         return as_packed(t, k_full, where)
-    rule = _ACCEPT[tensor.name]
     if tensor.name == "weight_scale" and t.dtype == getattr(torch, "float8_e8m0fnu", None):
         t = t.view(torch.uint8)
     has_n = tensor.shape(1, k_full) != tensor.shape(2, k_full)
     want = tensor.shape(t.shape[0] if has_n and t.dim() else 0, k_full)
-    if not rule.accepts(t) or tuple(t.shape) != want:
-        shape = ", ".join(map(str, want[1:])) if has_n else str(want[0])
-        raise ValueError(rule.shape_error.format(where=where, shape=shape, got=f"{t.dtype} {tuple(t.shape)}"))
+    dtypes = _LOAD_DTYPES[tensor.name]
+    problem = spec.tensor_problem(
+        tensor, safetensors_name(t.dtype), tuple(t.shape), want, None, dtypes=dtypes
+    )
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
     check_values(where, tensor.value_rule, t)
-    return rule.convert(t)
+    return t if t.dtype == torch.uint8 else t.float()
 
 
 def check_values(
@@ -245,135 +225,3 @@ def counted_load(
     if state.phase is Phase.CREATED:
         state.phase = Phase.LOADING
     return state.loaded[name]
-
-
-# ------------------------------------------------------------------ the model's whole load
-
-
-class _Stream:
-    """The checkpoint's ``(name, tensor)`` stream as the model consumes it: every name, and the pair
-    being loaded now (``None`` while the reader itself runs, so its errors are not blamed on a tensor)."""
-
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._it = iter(weights)
-        self.names: list[str] = []
-        self.current: tuple[str, torch.Tensor] | None = None
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self
-
-    def __next__(self) -> tuple[str, torch.Tensor]:
-        self.current = None
-        name, tensor = next(self._it)
-        self.names.append(name)
-        self.current = (name, tensor)
-        return name, tensor
-
-
-def _layer_of(model: torch.nn.Module, name: str) -> tuple[str, torch.nn.Module | None]:
-    """The runtime path and module of the Linear a checkpoint tensor ``name`` belongs to."""
-    layer = name.rsplit(".", 1)[0]
-    with contextlib.suppress(ValueError):  # not a Wan2.2 Linear name: keep the checkpoint's path
-        layer = runtime_layer_name(layer)
-    try:
-        return layer, model.get_submodule(layer)
-    except AttributeError:
-        return layer, None
-
-
-def misfit_message(model: torch.nn.Module, name: str, tensor: torch.Tensor, exc: BaseException) -> str:
-    """One message for a checkpoint tensor that vLLM's own weight loader could not place."""
-    layer, module = _layer_of(model, name)
-    leaf = name.rsplit(".", 1)[-1]
-    method = getattr(module, "quant_method", None)
-    param = getattr(module, leaf, None) if module is not None else None
-    wants = f"{param.dtype} {tuple(param.shape)}" if isinstance(param, torch.Tensor) else "no such parameter"
-    head = (
-        f"{name}: the checkpoint holds {tensor.dtype} {tuple(tensor.shape)}, but the model's {layer}.{leaf} "
-        f"({type(method).__name__ if method is not None else 'no quant method'}) is {wants}"
-    )
-    if not tensor.is_floating_point():
-        return (
-            f"{head}: the file holds a quantized layer's packed FP4 bytes while the model built the layer "
-            "in BF16, because the transformer's config.json has no usable quantization_config (missing, {}, "
-            "[] or not an object) and no quantization argument was given. Restore quantization_config "
-            "(quant_method, is_checkpoint_mxfp4_serialized / is_checkpoint_serialized: true, "
-            "ignored_layers; vllm-omni-mxfp4 merge writes it). vLLM's loader said: "
-            f"{type(exc).__name__}: {exc}"
-        )
-    return (
-        f"{head}: the tensor's shape does not match the model that config.json describes (a {leaf} of the "
-        "wrong length, or a config.json of another model). Fix or re-export the tensor, or use the "
-        f"config.json it was exported with. vLLM's loader said: {type(exc).__name__}: {exc}"
-    )
-
-
-def refuse_unknown_tensors(names: list[str], loaded: set[str]) -> None:
-    """Tensors in a quantized layer's prefix that the model did not load are an error, not skipped."""
-    quantized = {n.rsplit(".", 1)[0] for n in loaded if n.endswith(".weight_scale")}
-    unknown = [n for n in names if n not in loaded and n.rsplit(".", 1)[0] in quantized]
-    if unknown:
-        known = sorted({t.name for tensors in FORMAT_TENSORS.values() for t in tensors})
-        raise ValueError(
-            f"{len(unknown)} checkpoint tensors in the prefix of quantized Linears are unknown to the model "
-            f"and would be ignored: {unknown[:8]}. A quantized Linear loads only {known}. The checkpoint was "
-            "written for another format or tool (e.g. static activation scales), or a name is misspelt; "
-            "remove these tensors or export the checkpoint again (vllm-omni-mxfp4 merge)."
-        )
-
-
-def _raised_in_vllm(exc: BaseException) -> bool:
-    """Whether the innermost Python frame of ``exc`` is vLLM's own code (its weight loaders), so that
-    errors of this package's kernels or of torch elsewhere keep their own message."""
-    import vllm
-
-    root = os.path.dirname(vllm.__file__) + os.sep
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(root)
-
-
-def guarded_load_weights(model: torch.nn.Module, load_weights: Callable, weights: Iterable) -> Any:
-    """``model.load_weights(weights)`` with every vLLM loader failure named, and unknown tensors of
-    quantized layers refused (the model's loader skips names it has no parameter for). The layers of an
-    NVFP4 checkpoint's experts are requantized in the stream first (:mod:`.nvfp4_loading`)."""
-    from .nvfp4_loading import convert_stream
-
-    stream = _Stream(convert_stream(model, weights))
-    try:
-        loaded = load_weights(stream)
-    except (AssertionError, RuntimeError) as exc:  # a bare assert or narrow() overflow in vLLM's loaders
-        if stream.current is None or not _raised_in_vllm(exc):
-            raise
-        raise ValueError(misfit_message(model, *stream.current, exc)) from exc
-    if loaded is not None:
-        refuse_unknown_tensors(stream.names, set(loaded))
-    return loaded
-
-
-def install_load_guard() -> None:
-    """Route vLLM-Omni's ``DiffusersPipelineLoader.load_weights`` through :func:`guarded_load_weights`
-    (idempotent). Every diffusion model load of the process is covered, quantized or not, so that a
-    quantized checkpoint loaded without its quantization_config is named too."""
-    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
-
-    original = DiffusersPipelineLoader.load_weights
-    if getattr(original, "_mx_guarded", False):
-        return
-
-    @functools.wraps(original)
-    def load_weights(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        had = "load_weights" in vars(model)
-        inner = model.load_weights
-        model.load_weights = functools.partial(guarded_load_weights, model, inner)
-        try:
-            return original(self, model, *args, **kwargs)
-        finally:
-            if had:
-                model.load_weights = inner
-            else:
-                del model.load_weights
-
-    load_weights._mx_guarded = True
-    DiffusersPipelineLoader.load_weights = load_weights
