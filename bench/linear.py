@@ -53,7 +53,7 @@ def init_vllm():
     )
     from vllm_omni.diffusion.vllm_config import create_diffusion_vllm_config
 
-    from vllm_omni_mxfp4.omni.plugin import register
+    from vllm_omni_mxfp4.plugin import register
 
     register()
     od = OmniDiffusionConfig(model=None, dtype=torch.bfloat16, num_gpus=1)

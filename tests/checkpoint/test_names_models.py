@@ -10,9 +10,9 @@ import json
 import pytest
 
 from vllm_omni_mxfp4.checkpoint import CheckpointError
-from vllm_omni_mxfp4.checkpoint.validate import original_archive
 from vllm_omni_mxfp4.models.names import DIFFUSERS_EXPORT_NAMES, MODULE, WAN_EXPORT_NAMES, ModelNames
 from vllm_omni_mxfp4.models.wan import LINEAR
+from vllm_omni_mxfp4.safetensors_io import diffusers_archive
 
 pytest.importorskip("vllm_omni")
 
@@ -21,7 +21,7 @@ def _derived(directory, pipeline: str, export_names: str) -> ModelNames:
     from vllm_omni_mxfp4.models import derive_names
 
     config = json.loads((directory / "config.json").read_text())
-    tensors = {name: (ref.dtype, ref.shape) for name, ref in original_archive(directory).items()}
+    tensors = {name: (ref.dtype, ref.shape) for name, ref in diffusers_archive(directory).items()}
     return ModelNames.from_dict(derive_names(pipeline, config["_class_name"], config, tensors), export_names)
 
 

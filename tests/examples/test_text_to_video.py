@@ -98,7 +98,7 @@ def test_the_example_accepts_exactly_what_the_engine_accepts(example, capsys, co
     --diffusion-quantization-config` build: vLLM-Omni's OmniDiffusionConfig with the plugin loaded."""
     from vllm_omni.diffusion.data import OmniDiffusionConfig
 
-    from vllm_omni_mxfp4.omni.plugin import register
+    from vllm_omni_mxfp4.plugin import register
 
     register()
     try:

@@ -81,10 +81,10 @@ def test_user_ignored_layers_replace_the_default(vllm_env):
 
 def test_offline_configs_get_no_default(vllm_env):
     from vllm_omni_mxfp4.omni import build_quant_config
-    from vllm_omni_mxfp4.omni.defaults import with_family_default
+    from vllm_omni_mxfp4.omni.routes import with_family_default
 
     offline = build_quant_config({"quant_method": "mxfp4", "is_checkpoint_mxfp4_serialized": True})
     assert with_family_default(offline, QWEN_DEFAULT) is offline
     online = build_quant_config("mxfp4")
     applied = with_family_default(online, QWEN_DEFAULT)
-    assert applied is not online and applied.family_default is QWEN_DEFAULT and online.family_default is None
+    assert applied is not online and applied.overrides == (QWEN_DEFAULT,) and online.overrides == ()

@@ -59,7 +59,7 @@ def test_bf16_forward_runs_on_the_cpu_platform(bf16):
 def test_without_the_default_the_forward_casts_activations_to_the_packed_weight(
     vllm_env, bf16, kept_bf16, monkeypatch
 ):
-    from vllm_omni_mxfp4.omni import defaults
+    from vllm_omni_mxfp4.hooks import defaults
 
     monkeypatch.setattr(defaults, "with_family_default", lambda quant_config, default: quant_config)
     failing = next(name for name in CAST_LINES if name not in kept_bf16)

@@ -40,8 +40,8 @@ def test_the_valid_lists_build_and_route_as_listed(vllm_env, tiny_dir):
     [
         ("mxfp4", "ignored_layers", "blocks.1.ffn.net2", "blocks.1.ffn.net_2"),
         ("mxfp4", "ignored_layers", "blocks.2.ffn.net_2", "blocks.1.ffn.net_2"),
-        ("mxfp4", "w4a8_fallback_layers", "blocks.0.attn1.to_kqv", "blocks.0.attn1.to_qkv"),
-        ("mxfp4", "w4a8_fallback_layers", "blocks.0.norm2", None),
+        ("mxfp4", "ignored_layers", "blocks.0.attn1.to_kqv", "blocks.0.attn1.to_qkv"),
+        ("mxfp4", "ignored_layers", "blocks.0.norm2", None),
         ("mxfp4_dualscale", "ignored_layers", "blocks.1.attn2.to_ou", "blocks.1.attn2.to_out"),
     ],
 )
@@ -58,6 +58,18 @@ def test_a_layer_entry_that_names_no_linear_is_refused(vllm_env, tiny_dir, metho
         assert "Did you mean" not in message
     else:
         assert f"Did you mean {meant!r}?" in message
+
+
+@pytest.mark.parametrize("typo", ["blocks.0.attn1.to_kqv", "blocks.0.norm2"])
+def test_vllm_omnis_own_wan_check_names_a_w4a8_entry_first(vllm_env, tiny_dir, typo):
+    """vLLM-Omni's Wan2.2 transformer checks ``w4a8_fallback_layers`` itself in its constructor, before
+    the build hook's check of every list: its message is the one a user sees for this key."""
+    valid = {"method": "mxfp4", "w4a8_fallback_layers": ["blocks.0.ffn.net_0.proj"]}
+    build_expert(vllm_env, tiny_dir, valid)
+    message = _refused(
+        vllm_env, tiny_dir, {**valid, "w4a8_fallback_layers": ["blocks.0.ffn.net_0.proj", typo]}
+    )
+    assert "w4a8_fallback_layers requires exact runtime Linear paths" in message and typo in message
 
 
 def test_a_plain_linear_may_be_listed_as_ignored(vllm_env, tiny_dir):
@@ -145,14 +157,18 @@ def _build_vace(env, model_dir, spec):
     from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2_vace import create_vace_transformer_from_config
     from vllm_omni.quantization import build_quant_config
 
+    from vllm_omni_mxfp4.hooks.names import check_built_model
+
     config = {**load_transformer_config(str(model_dir), "transformer"), "vace_layers": [0]}
     with env.context():
-        return create_vace_transformer_from_config(config, build_quant_config(spec))
+        model = create_vace_transformer_from_config(config, build_quant_config(spec))
+    check_built_model(model, "transformer")  # as the build hook checks the pipeline's transformer
+    return model
 
 
 def test_the_vace_transformers_own_blocks_are_checked_too(vllm_env, tiny_dir):
-    """VACE builds its vace_blocks after the Wan constructor's check: entries naming them are valid,
-    and a typo in one is refused once they exist."""
+    """VACE builds its vace_blocks after the Wan constructor's own check: entries naming them are
+    valid, and a typo in one is refused by the check of the built model."""
     valid = {"method": "mxfp4", "ignored_layers": ["vace_blocks.0.attn1.to_qkv", "blocks.1.ffn.net_2"]}
     model = _build_vace(vllm_env, tiny_dir, valid)
     assert "vace_blocks.0.attn1.to_qkv" in dict(model.named_modules())

@@ -343,7 +343,7 @@ def test_the_valid_checkpoint_still_loads_and_the_model_keeps_its_loader(vllm_en
 
 
 def test_errors_raised_outside_vllm_keep_their_own_message():
-    from vllm_omni_mxfp4.omni.loading import guarded_load_weights
+    from vllm_omni_mxfp4.hooks.load_guard import guarded_load_weights
 
     def load_weights(weights):
         for _ in weights:

@@ -56,8 +56,8 @@ def test_all_method_name_components_generate(tiny_dir, tmp_path):
             "Unknown component 'transformer2' in the per-component config. Did you mean 'transformer_2'?",
         ),
         (
-            {"method": "mxfp4", "w4a8_fallback_layers": ["blocks.0.attn2.to_v", "blocks.2.attn2.to_v"]},
-            "w4a8_fallback_layers entry 'blocks.2.attn2.to_v' matches no Linear",
+            {"method": "mxfp4", "ignored_layers": ["blocks.0.attn2.to_v", "blocks.2.attn2.to_v"]},
+            "ignored_layers entry 'blocks.2.attn2.to_v' matches no Linear",
         ),
         (
             {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 40},

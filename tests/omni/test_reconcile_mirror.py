@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_omni_mxfp4.config import Mxfp4Config, Mxfp4DualScaleConfig, reconcile_with_checkpoint
-from vllm_omni_mxfp4.omni.plugin import register
+from vllm_omni_mxfp4.plugin import register
 
 pytestmark = pytest.mark.omni
 

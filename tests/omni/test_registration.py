@@ -56,7 +56,7 @@ def test_entry_points_are_declared():
     from importlib.metadata import entry_points
 
     general = {e.name: e.value for e in entry_points(group="vllm_omni.general_plugins")}
-    assert general["mxfp4"] == "vllm_omni_mxfp4.omni.plugin:register"
+    assert general["mxfp4"] == "vllm_omni_mxfp4.plugin:register"
     platforms = {e.name: e.value for e in entry_points(group="vllm_omni.platform_plugins")}
     assert platforms["cpu"] == "vllm_omni_mxfp4.platform:activate"
 

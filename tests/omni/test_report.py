@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_omni_mxfp4.omni import report as engine_report
+from vllm_omni_mxfp4.inspection import engine as engine_report
 
 
 class _Expert(torch.nn.Module):

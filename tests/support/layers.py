@@ -148,7 +148,9 @@ def tiny_dir():
 
 
 def build_expert(env, model_dir, spec, sub="transformer"):
-    """vLLM-Omni's Wan2.2 transformer ``sub`` built by its factory and loaded by its own loader."""
+    """vLLM-Omni's Wan2.2 transformer ``sub`` built by its factory, its layer names checked as the
+    engine checks each component of the pipeline it builds (``vllm_omni_mxfp4.hooks.build``), and
+    loaded by its own loader."""
     from vllm.config import LoadConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
     from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2 import (
@@ -156,6 +158,8 @@ def build_expert(env, model_dir, spec, sub="transformer"):
         load_transformer_config,
     )
     from vllm_omni.quantization import build_quant_config
+
+    from vllm_omni_mxfp4.hooks.names import check_built_model
 
     cfg = load_transformer_config(str(model_dir), sub)
     qc = build_quant_config(spec) if spec is not None else None
@@ -166,6 +170,7 @@ def build_expert(env, model_dir, spec, sub="transformer"):
             model = create_transformer_from_config(cfg, qc, component=sub)
         finally:
             torch.set_default_dtype(old)
+        check_built_model(model, sub)
         model.weights_sources = [
             DiffusersPipelineLoader.ComponentSource(
                 model_or_path=str(model_dir), subfolder=sub, revision=None
@@ -340,3 +345,23 @@ def mxfp8_dir(tiny_dir, tmp_path_factory):
     write_mxfp8_blocks(tiny_dir / "transformer", model / "transformer")
     shutil.copy(tiny_dir / "model_index.json", model / "model_index.json")
     return model
+
+
+def initialize_pipeline(env, model_dir, spec):
+    """vLLM-Omni's pipeline class for ``model_dir`` built by its own ``initialize_model`` (with this
+    package's hooks, as the engine's diffusion worker builds it) with quantization ``spec``; no
+    weights are loaded."""
+    from vllm_omni.diffusion import registry
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+    od_config = OmniDiffusionConfig.from_kwargs(
+        model=str(model_dir), dtype=torch.bfloat16, quantization_config=spec
+    )
+    od_config.enrich_config()
+    with env.context():
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            return registry.initialize_model(od_config)
+        finally:
+            torch.set_default_dtype(old)

@@ -56,7 +56,7 @@ def _rank_main(rank: int, world: int, port: int, fn, args, results) -> None:
             initialize_model_parallel,
         )
 
-        from vllm_omni_mxfp4.omni.plugin import register
+        from vllm_omni_mxfp4.plugin import register
 
         register()
         env = RankEnv(world)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from types import MappingProxyType
 
+from .methods import MethodConfig
 from .routing import LayerRoute, Precision
 
 
@@ -58,6 +59,18 @@ class FamilyDefault:
                 f"kept BF16 by the {self.class_name} default ({self.source}); give ignored_layers to override"
             )
         return LayerRoute(Precision.BF16, (), reason, route.prefix)
+
+    def applies_to(self, config: MethodConfig) -> bool:
+        """Whether this default applies under ``config``: always when ``required``, else only online
+        and without ``ignored_layers`` (module docstring)."""
+        return self.required or not (config.is_serialized or config.ignored_layers)
+
+    def override(
+        self, prefix: str, route: LayerRoute, config: MethodConfig
+    ) -> tuple[LayerRoute, MethodConfig]:
+        """This default as a route override (``vllm_omni_mxfp4.omni.routes``): :meth:`route` where it
+        applies under the config decided so far (an NVFP4 checkpoint's is offline)."""
+        return (self.route(route) if self.applies_to(config) else route), config
 
 
 QWEN_IMAGE = FamilyDefault(

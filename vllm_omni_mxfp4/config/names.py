@@ -7,7 +7,7 @@ layer list that matches no Linear, with the closest Linear path as a suggestion,
 count larger than the model. :func:`check_component_names` does the same for the keys of a
 per-component config against the components the pipeline quantizes.
 
-Pure Python: :mod:`vllm_omni_mxfp4.omni.names` reads the model and calls these from vLLM-Omni's
+Pure Python: :mod:`vllm_omni_mxfp4.hooks.names` reads the model and calls these from vLLM-Omni's
 model construction.
 """
 

@@ -2,7 +2,7 @@
 
 :func:`derive_names` builds a transformer class of the installed vLLM-Omni on the meta device (no
 weight memory) with one of our quantization configs and feeds its own ``load_weights`` the names of
-a diffusers checkpoint (:mod:`vllm_omni_mxfp4.inspection.model` does the build and the trace): every
+a diffusers checkpoint (:mod:`vllm_omni_mxfp4.models.build` does the build and the trace): every
 name lands on the runtime parameter (and fused piece) the model's weight loader picks, through its
 ``packed_modules_mapping`` / stacked-params mapping and its checkpoint-name rewrites. The result is
 plain data that the torch-free merge reads (:class:`vllm_omni_mxfp4.models.names.ModelNames`);

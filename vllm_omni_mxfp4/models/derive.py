@@ -40,7 +40,6 @@ def derive_names(
     class_name: str,
     config: Mapping[str, Any],
     tensors: Mapping[str, tuple[str, tuple[int, ...]]],
-    in_child: bool = False,
 ) -> dict[str, Any]:
     """Build vLLM-Omni's ``class_name`` (found through ``pipeline``'s model folder) from a diffusers
     ``config`` on the meta device and trace where its ``load_weights`` puts each of ``tensors``
@@ -48,9 +47,10 @@ def derive_names(
     experts of one model share one build) and on disk under ``VLLM_OMNI_MXFP4_CACHE``
     (:func:`_disk_cache`), so the build's fixed cost is paid once per class and config.
 
-    In a process that has not imported vLLM yet (the merge CLI), or whose stdout or stderr has no
-    file descriptor (:func:`_has_fd`), or with ``in_child`` (an engine building its own model, whose
-    distributed state the probe build must not touch), the build runs in a child process
+    It builds in this process when vLLM is imported already (an engine building its own model: the
+    probe build reuses the process group, :func:`~.build.world_of_one`). In a process that has not
+    imported vLLM (the merge CLI), or one without a process group whose stdout or stderr has no
+    file descriptor (:func:`_has_fd`), the build runs in a child process
     (``python -m vllm_omni_mxfp4.models``): the caller's memory, stdout and stderr stay its own (vLLM
     logs to both when imported), and its error, if any, is raised here with the child's last output.
     """
@@ -62,10 +62,19 @@ def derive_names(
     cached = _disk_cache(key)
     if cached.is_file():
         return json.loads(cached.read_text())
-    in_process = not in_child and "vllm" in sys.modules and _has_fd(sys.stdout) and _has_fd(sys.stderr)
-    text = _derive(key) if in_process else _derive_in_child(key)
+    text = _derive(key) if _builds_here() else _derive_in_child(key)
     _store(cached, text)
     return json.loads(text)
+
+
+def _builds_here() -> bool:
+    """Whether :func:`derive_names` builds in this process (its docstring says when)."""
+    if "vllm" not in sys.modules:
+        return False
+    torch = sys.modules["torch"]  # vLLM imported it
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return True
+    return _has_fd(sys.stdout) and _has_fd(sys.stderr)
 
 
 def _has_fd(stream: Any) -> bool:
@@ -79,7 +88,7 @@ def _has_fd(stream: Any) -> bool:
     return True
 
 
-_SOURCES = ("derive.py", "../inspection/model.py")
+_SOURCES = ("derive.py", "build.py")
 """The code the derived data depends on besides vLLM-Omni: a change to it invalidates the cache."""
 
 
@@ -143,7 +152,10 @@ def main(argv: list[str]) -> int:
 @functools.lru_cache(maxsize=8)
 def _derive(key: str) -> str:
     from ..config import Mxfp4Config
-    from ..inspection.model import (
+    from ..omni import build_quant_config
+    from ..omni.routes import with_override
+    from .build import (
+        ProbeOverride,
         build_on_meta,
         find_transformer_class,
         runtime_linears,
@@ -157,10 +169,13 @@ def _derive(key: str) -> str:
     with contextlib.redirect_stdout(sys.stderr):
         cls = find_transformer_class(class_name, pipeline)
         with world_of_one() as od_config:
-            # Online mxfp4 as the probe: a Linear the class hands it to (whatever BF16 default our
-            # config then routes it to) is one a checkpoint can quantize.
-            model = build_on_meta(cls, config, Mxfp4Config(), od_config)
-            linears = {linear.name: _linear(model, linear) for linear in runtime_linears(model)}
+            # Online mxfp4 with a probe: the Linears the class hands that config to are the ones a
+            # checkpoint can quantize, under the prefixes the probe records.
+            probe = ProbeOverride()
+            quant = with_override(build_quant_config(Mxfp4Config(backend="emulated")), probe)
+            model = build_on_meta(cls, config, quant, od_config)
+            seen = set(probe.prefixes)
+            linears = {linear.name: _linear(model, linear, seen) for linear in runtime_linears(model)}
             placed = trace_loading(model, {name: (dtype, tuple(shape)) for name, dtype, shape in tensors})
     data = {
         "model_class": cls.__name__,
@@ -174,14 +189,9 @@ def _derive(key: str) -> str:
     return json.dumps(data)
 
 
-def _linear(model: Any, linear: Any) -> dict[str, Any]:
-    """One runtime Linear's entry: its kind, whether the class gave it our quantization config (our
-    methods, and the BF16 method our config routes to, carry a ``route``; vLLM's own unquantized
-    method, for a Linear built with ``quant_config=None``, does not) and the prefix that config sees."""
+def _linear(model: Any, linear: Any, seen: set[str]) -> dict[str, Any]:
+    """One runtime Linear's entry: its kind, whether the class gave it our quantization config (the
+    probe saw its prefix; a Linear built with ``quant_config=None`` never asks) and that prefix."""
     module = model.get_submodule(linear.name)
-    method = getattr(module, "quant_method", None)
-    return {
-        "kind": linear.kind,
-        "quantizable": linear.kind == "vllm" and getattr(method, "route", None) is not None,
-        "prefix": getattr(module, "prefix", None) or linear.name,
-    }
+    prefix = getattr(module, "prefix", None) or linear.name
+    return {"kind": linear.kind, "quantizable": linear.kind == "vllm" and prefix in seen, "prefix": prefix}

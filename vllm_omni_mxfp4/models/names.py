@@ -17,6 +17,7 @@ from typing import Any
 
 from ..config.keys import layer_order
 from ..errors import CheckpointError
+from .records import piece_index
 from .wan import (
     LINEAR,
     LINEAR_LEAVES,
@@ -35,15 +36,15 @@ from .wan import (
 WAN_EXPORT_NAMES = "wan"
 DIFFUSERS_EXPORT_NAMES = "diffusers"
 EXPORT_NAMINGS = (WAN_EXPORT_NAMES, DIFFUSERS_EXPORT_NAMES)
+#: ``(pipeline class, transformer class, config.json, tensors) -> data``: a transformer's runtime names
+#: as plain data (:meth:`ModelNames.from_dict`); ``tensors`` maps each original tensor name to its
+#: (safetensors dtype, shape). :func:`~.derive.derive_names` is the real one; tests pass stand-ins.
+NamesProvider = Callable[
+    [str | None, str, Mapping[str, Any], Mapping[str, tuple[str, tuple[int, ...]]]], dict
+]
 #: A module that is not a Linear, in a model whose names come from the class (no norm/conv split).
 MODULE = "module"
-#: vLLM's ids of the fused Q/K/V pieces; merged columns use integer ids.
-_QKV_SHARDS = ("q", "k", "v")
 _ANY_BLOCK_RE = re.compile(r"^(?:[A-Za-z0-9_]*blocks)\.(0|[1-9][0-9]*)\.")
-
-
-def _shard_order(shard: object) -> int:
-    return _QKV_SHARDS.index(shard) if shard in _QKV_SHARDS else int(shard)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class ModelNames:
         placed = self.tensors.get(f"{layer}.weight") or {}
         if placed.get("shard") is None or not self.is_linear(layer):
             return None
-        return self.runtime_layer_name(layer), _shard_order(placed["shard"])
+        return self.runtime_layer_name(layer), piece_index(placed["shard"])
 
     def strip_smooth_wrapper(self, name: str) -> tuple[str, bool]:
         """:func:`strip_smooth_wrapper`, except for a name that is already one of the model's (Qwen-Image's

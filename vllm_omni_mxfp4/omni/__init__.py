@@ -1,7 +1,7 @@
 """The vLLM / vLLM-Omni glue: quantization configs, Linear methods and plugin registration.
 
 The only package of this project that imports vllm or vllm_omni. Importing it registers nothing;
-:func:`vllm_omni_mxfp4.omni.plugin.register` (the plugin entry point) does.
+:func:`vllm_omni_mxfp4.plugin.register` (the plugin entry point) does.
 """
 
 from __future__ import annotations

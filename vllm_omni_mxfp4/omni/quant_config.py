@@ -12,20 +12,21 @@ from them, and its Wan2.2 transformer validates ``w4a8_fallback_layers`` against
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from ..config import Mxfp4Config, Mxfp4DualScaleConfig, Precision, QuantConfig
-from ..config.defaults import FamilyDefault
 from ..kernels import KernelSelector
 from .linear import CheckedUnquantizedLinearMethod, MxLinearMethod
 from .mxfp4 import Mxfp4LinearMethod
 from .mxfp4_dualscale import Mxfp4DualScaleLinearMethod
 from .mxfp8 import Mxfp8LinearMethod
-from .nvfp4_loading import current_plan
+
+if TYPE_CHECKING:
+    from .routes import RouteOverride
 
 
 class MxQuantizationConfig(QuantizationConfig):
@@ -33,8 +34,8 @@ class MxQuantizationConfig(QuantizationConfig):
 
     config_class: ClassVar[type]
     method_class: ClassVar[type[MxLinearMethod]]
-    #: The model family's BF16 default, attached where the model is built (:mod:`.defaults`).
-    family_default: FamilyDefault | None = None
+    #: Route overrides attached where the model is built (:mod:`.routes`), applied in order.
+    overrides: tuple[RouteOverride, ...] = ()
 
     def __init__(self, config: QuantConfig) -> None:
         super().__init__()
@@ -88,11 +89,8 @@ class MxQuantizationConfig(QuantizationConfig):
         if not isinstance(layer, LinearBase):
             return None
         route, config = self.config.route(prefix), self.config
-        plan = current_plan()  # an NVFP4 checkpoint's expert: its own routes, serialized weights
-        if plan is not None:
-            route, config = plan.route(prefix, route), plan.config
-        elif self.family_default is not None:
-            route = self.family_default.route(route)
+        for override in self.overrides:  # a family's BF16 default, an NVFP4 checkpoint's plan
+            route, config = override.override(prefix, route, config)
         if route.precision is Precision.BF16:
             return CheckedUnquantizedLinearMethod(route, config)
         if route.precision is Precision.W8A8:  # a layer the checkpoint stores as MXFP8 (mxfp8_layers)

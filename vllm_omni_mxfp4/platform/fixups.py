@@ -26,9 +26,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..patching import original_of, wrap_once
+
 logger = logging.getLogger(__name__)
 
-_UPSTREAM_ATTR = "_vllm_omni_mxfp4_upstream"
+HOOK = "cpu_worker_output"
 
 
 def cpu_async_output_loop(self: Any) -> None:
@@ -70,8 +72,7 @@ def upstream_async_output_loop() -> Callable[[Any], None]:
     """The installed vLLM-Omni's own ``WorkerProc._async_output_loop``, whether or not overridden."""
     from vllm_omni.diffusion.worker.diffusion_worker import WorkerProc
 
-    current = WorkerProc.__dict__["_async_output_loop"]
-    return getattr(current, _UPSTREAM_ATTR, current)
+    return original_of(WorkerProc.__dict__["_async_output_loop"])
 
 
 def install_worker_output_fixup() -> bool:
@@ -81,17 +82,18 @@ def install_worker_output_fixup() -> bool:
     """
     from vllm_omni.diffusion.worker.diffusion_worker import WorkerProc
 
-    current = WorkerProc.__dict__["_async_output_loop"]
-    if getattr(current, _UPSTREAM_ATTR, None) is not None:
-        return False
+    # Overrides vllm_omni.diffusion.worker.diffusion_worker.WorkerProc._async_output_loop (module doc).
+    installed = wrap_once(WorkerProc, "_async_output_loop", _replaced, HOOK)
+    if installed:
+        logger.debug(
+            "CPU platform: WorkerProc._async_output_loop overridden (vllm_omni_mxfp4.platform.fixups)"
+        )
+    return installed
 
+
+def _replaced(upstream: Callable[[Any], None]) -> Callable[[Any], None]:
     def _async_output_loop(self: Any) -> None:
         cpu_async_output_loop(self)
 
     _async_output_loop.__doc__ = cpu_async_output_loop.__doc__
-    _async_output_loop.__qualname__ = "WorkerProc._async_output_loop"
-    setattr(_async_output_loop, _UPSTREAM_ATTR, current)
-    # Overrides vllm_omni.diffusion.worker.diffusion_worker.WorkerProc._async_output_loop (see module doc).
-    WorkerProc._async_output_loop = _async_output_loop
-    logger.debug("CPU platform: WorkerProc._async_output_loop overridden (vllm_omni_mxfp4.platform.fixups)")
-    return True
+    return _async_output_loop

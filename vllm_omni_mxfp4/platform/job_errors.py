@@ -23,11 +23,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ..patching import original_of, wrap_once
 from .request_guard import failure_reason
 
 logger = logging.getLogger(__name__)
 
-_UPSTREAM_ATTR = "_vllm_omni_mxfp4_upstream"
+HOOK = "cpu_job_errors"
 
 HELPERS = "vllm_omni.entrypoints.openai.video.generation.helpers"
 """The upstream module; the API server imports it at start-up, before it loads general plugins."""
@@ -37,8 +38,7 @@ def upstream_video_error() -> Callable[[Exception], Any]:
     """The installed vLLM-Omni's own ``_video_error_from_exception``, whether or not overridden."""
     from vllm_omni.entrypoints.openai.video.generation import helpers
 
-    current = helpers._video_error_from_exception
-    return getattr(current, _UPSTREAM_ATTR, current)
+    return original_of(helpers._video_error_from_exception)
 
 
 def install_video_error_fixup() -> bool:
@@ -51,18 +51,20 @@ def install_video_error_fixup() -> bool:
     helpers = sys.modules.get(HELPERS)
     if helpers is None:
         return False
-    current = helpers._video_error_from_exception
-    if getattr(current, _UPSTREAM_ATTR, None) is not None:
-        return False
+    # Wraps vllm_omni.entrypoints.openai.video.generation.helpers._video_error_from_exception (module doc).
+    installed = wrap_once(helpers, "_video_error_from_exception", _with_reason, HOOK)
+    if installed:
+        logger.debug(
+            "CPU platform: video job errors always carry a reason (vllm_omni_mxfp4.platform.job_errors)"
+        )
+    return installed
 
+
+def _with_reason(upstream: Callable[[Exception], Any]) -> Callable[[Exception], Any]:
     def _video_error_from_exception(exc: Exception) -> Any:
-        error = current(exc)
+        error = upstream(exc)
         if str(error.message).strip():
             return error
         return error.model_copy(update={"message": failure_reason(exc)})
 
-    setattr(_video_error_from_exception, _UPSTREAM_ATTR, current)
-    # Overrides vllm_omni.entrypoints.openai.video.generation.helpers._video_error_from_exception (see module doc).
-    helpers._video_error_from_exception = _video_error_from_exception
-    logger.debug("CPU platform: video job errors always carry a reason (vllm_omni_mxfp4.platform.job_errors)")
-    return True
+    return _video_error_from_exception

@@ -33,9 +33,11 @@ from typing import Any
 
 import torch
 
+from ..patching import original_of, wrap_once
+
 logger = logging.getLogger(__name__)
 
-_UPSTREAM_ATTR = "_vllm_omni_mxfp4_upstream"
+HOOK = "cpu_op_fixups"
 
 
 def cpu_unquantized_gemm(
@@ -60,16 +62,14 @@ def upstream_cpu_unquantized_gemm() -> Callable[..., torch.Tensor]:
     """The installed vLLM's own ``cpu_unquantized_gemm``, whether or not overridden."""
     from vllm.model_executor.layers import utils
 
-    current = utils.cpu_unquantized_gemm
-    return getattr(current, _UPSTREAM_ATTR, current)
+    return original_of(utils.cpu_unquantized_gemm)
 
 
 def upstream_wan_rope_native() -> Callable[..., torch.Tensor]:
     """The installed vLLM-Omni's own ``RotaryEmbeddingWan.forward_native``, whether or not overridden."""
     from vllm_omni.diffusion.layers.rope import RotaryEmbeddingWan
 
-    current = RotaryEmbeddingWan.__dict__["forward_native"]
-    return getattr(current, _UPSTREAM_ATTR, current)
+    return original_of(RotaryEmbeddingWan.__dict__["forward_native"])
 
 
 def install_op_fixups() -> list[str]:
@@ -82,26 +82,22 @@ def install_op_fixups() -> list[str]:
     from vllm_omni.diffusion.layers.rope import RotaryEmbeddingWan
 
     installed = []
-    if getattr(utils.cpu_unquantized_gemm, _UPSTREAM_ATTR, None) is None:
-        gemm = _marked(cpu_unquantized_gemm, utils.cpu_unquantized_gemm)
-        utils.cpu_unquantized_gemm = gemm  # read by dispatch_unquantized_gemm at each Linear's construction
+    # read by dispatch_unquantized_gemm at each Linear's construction
+    if wrap_once(utils, "cpu_unquantized_gemm", lambda upstream: _calling(cpu_unquantized_gemm), HOOK):
         installed.append("vllm.model_executor.layers.utils.cpu_unquantized_gemm")
-    if getattr(RotaryEmbeddingWan.__dict__["forward_native"], _UPSTREAM_ATTR, None) is None:
-        rope = _marked(wan_rope_native, RotaryEmbeddingWan.__dict__["forward_native"])
-        RotaryEmbeddingWan.forward_native = rope  # bound by CustomOp.dispatch_forward at construction
+    # bound by CustomOp.dispatch_forward at construction
+    if wrap_once(RotaryEmbeddingWan, "forward_native", lambda upstream: _calling(wan_rope_native), HOOK):
         installed.append("vllm_omni.diffusion.layers.rope.RotaryEmbeddingWan.forward_native")
     for name in installed:
         logger.debug("CPU platform: %s overridden (vllm_omni_mxfp4.platform.op_fixups)", name)
     return installed
 
 
-def _marked(function: Callable[..., Any], upstream: Callable[..., Any]) -> Callable[..., Any]:
-    """A distinct wrapper of ``function`` that remembers ``upstream`` (so installing is idempotent)."""
+def _calling(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A new function that calls ``function`` (what :func:`~vllm_omni_mxfp4.patching.wrap_once`
+    marks as the wrapper, leaving ``function`` itself unmarked)."""
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
         return function(*args, **kwargs)
 
-    wrapper.__doc__ = function.__doc__
-    wrapper.__name__ = wrapper.__qualname__ = upstream.__name__
-    setattr(wrapper, _UPSTREAM_ATTR, upstream)
-    return wrapper
+    return call

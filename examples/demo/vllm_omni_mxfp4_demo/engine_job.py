@@ -14,7 +14,7 @@ that one engine, and writes into ``out``:
   ``platform`` (the qualified class of vLLM-Omni's current platform) and ``platform_description``,
   ``outputs`` (per request: seed, output count, ``final_output_type``, Python type, dtype, shape)
   and, with ``report``, ``transformers``: what each transformer of the running engine holds
-  (:mod:`vllm_omni_mxfp4.omni.report`).
+  (:mod:`vllm_omni_mxfp4.inspection.engine`).
 
 It always runs in a process of its own (:func:`vllm_omni_mxfp4_demo.runner.run_engine_job`), so
 that every engine starts fresh, its memory is its own, and its worker processes can be reaped.
@@ -74,7 +74,7 @@ def model_boundary_ratio(model: str | Path) -> float | None:
 
 def engine_kwargs(job: Job) -> dict[str, Any]:
     """The keyword arguments of ``Omni(model=job.model, ...)``."""
-    from vllm_omni_mxfp4.omni.report import WORKER_EXTENSION
+    from vllm_omni_mxfp4.inspection.engine import WORKER_EXTENSION
 
     kwargs: dict[str, Any] = {"dtype": "bfloat16", **job.omni_kwargs}
     boundary = job.boundary_ratio if job.boundary_ratio is not None else model_boundary_ratio(job.model)
@@ -127,7 +127,7 @@ def _describe(outputs: list[Any], seed: int) -> dict[str, Any]:
 def _platform() -> dict[str, str]:
     from vllm_omni.platforms import current_omni_platform
 
-    from vllm_omni_mxfp4.omni.report import platform_description
+    from vllm_omni_mxfp4.inspection.engine import platform_description
 
     cls = type(current_omni_platform)
     return {
@@ -141,7 +141,7 @@ def run_job(job: Job) -> dict[str, Any]:
     import numpy as np
     from vllm_omni import Omni
 
-    from vllm_omni_mxfp4.omni.report import transformer_reports
+    from vllm_omni_mxfp4.inspection.engine import transformer_reports
 
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)

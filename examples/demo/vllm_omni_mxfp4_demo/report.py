@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_omni_mxfp4.omni.report import TransformerReport
+from vllm_omni_mxfp4.inspection.engine import LoadedTransformer
 
 from .media import frame_strip, upscale, write_video
 from .metrics import cosine, psnr
@@ -178,7 +178,7 @@ def _print_console(summary: Summary, rows: list[list[str]], notes: list[str]) ->
     for entry in summary.results:
         print(f"{entry['mode']}: {entry['description']}")
         for t in entry.get("transformers", []):
-            print(f"    {t['name']}: {TransformerReport(**t).summary()}")
+            print(f"    {t['name']}: {LoadedTransformer(**t).summary()}")
         if entry.get("error"):
             print(f"    FAILED: {entry['error']}")
     print()

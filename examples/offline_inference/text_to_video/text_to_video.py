@@ -15,7 +15,7 @@ It builds ``vllm_omni.Omni`` (the ``mxfp4`` / ``mxfp4_dualscale`` methods come f
 vllm-omni-mxfp4 plugin; no import needed), generates, and writes an MP4 (or a GIF where no video
 encoder is installed). Before generating it prints the platform vLLM-Omni runs on (an accelerator,
 or vllm-omni-mxfp4's CPU platform when there is none) and, read from the loaded engine
-(:mod:`vllm_omni_mxfp4.omni.report`), what each transformer ended up with: every Linear's method,
+(:mod:`vllm_omni_mxfp4.inspection.engine`), what each transformer ended up with: every Linear's method,
 backend, online/offline mode and precision, and its weight bytes.
 
 Video writing and the parallelism flags come from the demo's package: ``pip install -e examples/demo``
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_mxfp4.omni.names import engine_quant_config
+from vllm_omni_mxfp4.plugin import engine_quant_config
 from vllm_omni_mxfp4_demo.engine_job import model_boundary_ratio
 from vllm_omni_mxfp4_demo.modes import add_parallel_arguments, parallel_kwargs
 
@@ -41,7 +41,7 @@ MIB = 1024 * 1024
 
 def parse_quantization_config(text: str) -> dict[str, Any]:
     """``--quantization-config``: a JSON object, or the path of a file holding one; validated by the
-    engine's own code (:func:`vllm_omni_mxfp4.omni.names.engine_quant_config`)."""
+    engine's own code (:func:`vllm_omni_mxfp4.plugin.engine_quant_config`)."""
     if os.path.isfile(text):
         try:
             content = Path(text).read_text(encoding="utf-8")
@@ -128,13 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def omni_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``Omni(...)`` keyword arguments the command line asks for."""
-    from vllm_omni_mxfp4.omni.report import WORKER_EXTENSION
+    from vllm_omni_mxfp4.inspection.engine import WORKER_EXTENSION
 
     kwargs: dict[str, Any] = {
         "model": args.model,
         "dtype": "bfloat16",
         **parallel_kwargs(args),
-        # Lets the example ask the workers what each transformer holds (see vllm_omni_mxfp4.omni.report).
+        # Lets the example ask the workers what each transformer holds (see vllm_omni_mxfp4.inspection.engine).
         "worker_extension_cls": WORKER_EXTENSION,
     }
     if args.quantization is not None:
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_omni import Omni
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-    from vllm_omni_mxfp4.omni.report import platform_description, transformer_reports
+    from vllm_omni_mxfp4.inspection.engine import platform_description, transformer_reports
     from vllm_omni_mxfp4_demo.media import video_frames, write_video
 
     kwargs = omni_kwargs(args)

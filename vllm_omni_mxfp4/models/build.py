@@ -1,21 +1,23 @@
-"""A component's runtime Linears, from vLLM-Omni's own transformer class built on the meta device.
+"""vLLM-Omni's own transformer classes built on the meta device, and where their loader puts each tensor.
 
 Which Linears a checkpoint feeds, and under which runtime names, is the model class's business: it
 decides which modules are vLLM Linears (quantizable) and which plain ``nn.Linear`` (BF16 always),
 which projections it fuses, and how its ``load_weights`` renames checkpoint tensors. Rather than a
-table per model, :func:`walk_model` asks the class itself:
+table per model, the class itself is asked:
 
-1. the class named by the component's ``config.json`` ``_class_name`` is found in vLLM-Omni's model
-   packages (the pipeline's folder first, from vLLM-Omni's pipeline registry);
-2. it is built from the component's config on the meta device (no memory) with the quantization
-   config auto-detection gives, in a world-size-1 vLLM-Omni setup, so each Linear gets the method
-   it would get in the engine;
-3. every checkpoint tensor is handed, as an empty meta tensor of its dtype and shape, to the
-   model's own ``load_weights`` with every parameter's loader replaced by a recorder: where the
-   loader puts it (parameter and fused piece) is the runtime name mapping, exactly as the engine
-   applies it.
+1. :func:`find_transformer_class`: the class named by a component's ``config.json`` ``_class_name``,
+   in vLLM-Omni's model packages (the pipeline's folder first, from vLLM-Omni's pipeline registry);
+2. :func:`build_on_meta`: built from the component's config on the meta device (no memory) with the
+   vLLM quantization config the caller passes, in a world-size-1 vLLM-Omni setup
+   (:func:`world_of_one`, which reuses a process group that exists), so each Linear gets the method
+   it would get in the engine; :class:`ProbeOverride` records which Linears the class hands a
+   quantization config at all, and under which prefix;
+3. :func:`trace_loading`: every checkpoint tensor is handed, as an empty meta tensor of its dtype
+   and shape, to the model's own ``load_weights`` with every parameter's loader replaced by a
+   recorder: where the loader puts it (parameter and fused piece) is the runtime name mapping,
+   exactly as the engine applies it.
 
-Imports torch, vLLM and vLLM-Omni, lazily and only here.
+Imports torch, vLLM and vLLM-Omni (lazily, inside the functions, for the last two).
 """
 
 from __future__ import annotations
@@ -24,30 +26,14 @@ import contextlib
 import importlib
 import tempfile
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config import Precision, QuantConfig
-from .records import ModelWalk, Placement, RuntimeLinear
-
-#: torch dtypes of safetensors dtypes (what a meta tensor of each stored tensor gets).
-TORCH_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+from ..config import LayerRoute, Precision, QuantConfig
+from ..formats.dtypes import TORCH_DTYPES
+from .records import Placement, RuntimeLinear
 
 
 class ModelError(ValueError):
@@ -109,41 +95,40 @@ def world_of_one() -> Iterator[Any]:
         yield od_config
 
 
-def _with_defaults(cls: type, quant_config: Any) -> Any:
-    """``quant_config`` with the class's per-family BF16 default attached where it applies (online,
-    no ``ignored_layers``), as the plugin does where vLLM-Omni builds the class."""
-    from ..config.defaults import FAMILY_DEFAULTS
-    from ..omni.defaults import with_family_default
+class ProbeOverride:
+    """A route override (:mod:`vllm_omni_mxfp4.omni.routes`) that changes nothing and records the
+    prefix of every Linear whose quantization method the class asks for: the Linears the class
+    builds with its quantization config (the others run in BF16 whatever a checkpoint holds), and
+    the names a config's layer lists must use for them."""
 
-    for default in FAMILY_DEFAULTS.values():
-        if (default.module, default.class_name) == (cls.__module__, cls.__name__):
-            return with_family_default(quant_config, default)
-    return quant_config
+    def __init__(self) -> None:
+        self.prefixes: list[str] = []
+
+    def override(self, prefix: str, route: LayerRoute, config: QuantConfig) -> tuple[LayerRoute, QuantConfig]:
+        self.prefixes.append(prefix)
+        return route, config
 
 
-def build_on_meta(cls: type, config: Mapping[str, Any], quant: QuantConfig | None, od_config: Any) -> Any:
+def build_on_meta(cls: type, config: Mapping[str, Any], quant_config: Any, od_config: Any) -> Any:
     """``cls`` built from a diffusers config on the meta device (bf16), as vLLM-Omni's pipelines
-    build it: the config keys its ``__init__`` accepts, ``od_config`` where it takes one. Our
-    methods' kernels are the emulated ones here: what is inspected is backend-independent."""
+    build it: the config keys its ``__init__`` accepts, ``od_config`` where it takes one, and
+    ``quant_config`` (a vLLM quantization config, or None) as its ``quant_config``."""
     import inspect as pyinspect
 
     from vllm_omni.diffusion.data import TransformerConfig
     from vllm_omni.diffusion.utils.tf_utils import get_transformer_config_kwargs
 
-    from ..omni import build_quant_config
-    from ..omni.names import names_checked_by_caller
-
     params = {k: v for k, v in config.items() if k != "quantization_config"}
     kwargs = get_transformer_config_kwargs(TransformerConfig(params=params), cls)
-    if quant is not None:
-        kwargs["quant_config"] = _with_defaults(cls, build_quant_config(replace(quant, backend="emulated")))
+    if quant_config is not None:
+        kwargs["quant_config"] = quant_config
     if "od_config" in pyinspect.signature(cls.__init__).parameters:
         od_config.tf_model_config = TransformerConfig(params=params)
         kwargs["od_config"] = od_config
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("meta"), names_checked_by_caller():  # inspect reports the names itself
+        with torch.device("meta"):
             return cls(**kwargs)
     except Exception as exc:
         raise ModelError(
@@ -220,22 +205,3 @@ def trace_loading(model: Any, tensors: Mapping[str, tuple[str, tuple[int, ...]]]
         except Exception as exc:  # the engine's loader would stop on it: reported with the tensor
             placed[name] = Placement(error=f"{type(exc).__name__}: {exc}")
     return placed
-
-
-def walk_model(
-    class_name: str,
-    pipeline: str | None,
-    config: Mapping[str, Any],
-    quant: QuantConfig | None,
-    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
-) -> ModelWalk:
-    """Build ``class_name`` on the meta device with ``quant`` and trace where ``tensors`` go."""
-    from .. import omni  # noqa: F401  (attaches our logging to vLLM's)
-
-    cls = find_transformer_class(class_name, pipeline)
-    with world_of_one() as od_config:
-        model = build_on_meta(cls, config, quant, od_config)
-        walk = ModelWalk(class_name, cls.__module__, runtime_linears(model))
-        walk.packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {})).items()}
-        walk.placements = trace_loading(model, tensors)
-    return walk

@@ -5,14 +5,14 @@ When a transformer (a Wan expert, ``transformer`` / ``transformer_2``, or any ot
 (:func:`~vllm_omni_mxfp4.sources.nvfp4.detect_nvfp4`: every producer form, failing closed with the
 layer named), three things change (docs/nvfp4.md, "Serving an NVFP4 checkpoint"):
 
-1. **Build** (:func:`install` wraps the Wan pipelines' ``_create_transformer`` and, for every other
+1. **Build** (:mod:`.build` wraps the Wan pipelines' ``_create_transformer`` and, for every other
    pipeline, vLLM-Omni's ``initialize_model``, whose layer names come from the class itself,
-   :func:`_class_names`): the producer's
-   ``quantization_config`` is set aside (vLLM-Omni would refuse it as another method), and while the
-   expert is built :func:`current_plan` gives its :class:`Nvfp4Plan`, which ``get_quant_method``
-   consults: a Linear whose checkpoint layers are NVFP4 gets the offline ``mxfp4`` method (the
-   runtime config with serialized weights, :func:`~vllm_omni_mxfp4.config.reconcile.nvfp4_source_config`);
-   one whose layers are stored unquantized or FP8 gets BF16; ``W4A16_NVFP4`` layers run W4A8.
+   :func:`_class_names`): the producer's ``quantization_config`` is set aside (vLLM-Omni would refuse
+   it as another method), and the expert is built with a copy of the user's config carrying its
+   :class:`Nvfp4Plan` as a route override (:func:`serving`): a Linear whose checkpoint layers are
+   NVFP4 gets the offline ``mxfp4`` method (the runtime config with serialized weights,
+   :func:`~vllm_omni_mxfp4.config.reconcile.nvfp4_source_config`); one whose layers are stored
+   unquantized or FP8 gets BF16; ``W4A16_NVFP4`` layers run W4A8.
 2. **Load** (:func:`convert_stream`, applied by :func:`~.loading.guarded_load_weights` to the
    checkpoint's tensor stream): each NVFP4 layer's tensors are staged until its last one arrives,
    then normalised (:func:`~vllm_omni_mxfp4.sources.nvfp4.load_nvfp4_weight`: nibble order, swizzled
@@ -32,10 +32,9 @@ parts' rows first would give the same bytes.
 from __future__ import annotations
 
 import contextlib
-import functools
+import copy
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,13 +42,14 @@ from typing import Any
 import torch
 
 from .. import spec
-from ..models.wan import runtime_layer_name
 from ..config import LayerRoute, Precision
 from ..config.methods import Mxfp4Config
 from ..config.reconcile import nvfp4_source_config
 from ..errors import CheckpointError
-from ..formats.nvfp4 import dequantize_rows, row_slices
-from ..formats.requant import requantize_nvfp4
+from ..kernels.requant import requantize_nvfp4
+from ..models.wan import runtime_layer_name
+from ..omni.routes import with_override
+from ..patching import wrap_once
 from ..sources.nvfp4 import (
     LayerSource,
     Nvfp4Checkpoint,
@@ -61,7 +61,8 @@ from ..sources.nvfp4 import (
     parse_quant_config,
     read_checkpoint_headers,
 )
-from .patching import wrap_once
+from ..sources.nvfp4.dequant import dequantize_layer
+from ..sources.nvfp4.routing import decide_linear
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +73,6 @@ AUTO_RULE = spec.REQUANT_DEFAULT_RULE
 """What ``nvfp4_requant_rule: auto`` means on every backend. Requantized weights are data to each
 kernel (packed E2M1 + E8M0, prepared like any offline checkpoint): no kernel's ``can_implement``
 looks at how the weight exponents were chosen, so the most accurate rule always runs."""
-
-W4A16_ALGO = "W4A16_NVFP4"
-_INSTALLED = "_vllm_omni_mxfp4_nvfp4"
-
-_BUILDING: ContextVar[Nvfp4Plan | None] = ContextVar("vllm_omni_mxfp4_nvfp4_plan", default=None)
 
 
 def runtime_name(layer: str) -> str:
@@ -100,18 +96,17 @@ def _class_names(
     from vLLM-Omni's class itself (:func:`~vllm_omni_mxfp4.models.derive_names`, in a child process:
     the engine's own distributed state is not touched; cached on disk after the first time). A
     tensor the class does not load, or an NVFP4 / FP8 layer it has no Linear for, is refused."""
-    from ..models.names import names_of_class
     from ..errors import read_json_object
     from ..models import derive_names
+    from ..models.names import names_of_class
 
     config = read_json_object(
         directory / "config.json", if_missing="a diffusers transformer needs its config.json"
     )
     tensors, _, _ = read_checkpoint_headers(directory)
     original = original_tensors(tensors, checkpoint.layers)
-    provider = functools.partial(derive_names, in_child=True)
     names = names_of_class(
-        directory, config, original, provider, getattr(od_config, "model_class_name", None)
+        directory, config, original, derive_names, getattr(od_config, "model_class_name", None)
     )
 
     def of(layer: str) -> tuple[str, str]:
@@ -152,6 +147,8 @@ class Nvfp4Plan:
     by_runtime: Mapping[str, tuple[str, ...]]
     mx_layers: set[str] = field(default_factory=set)
     records: list[dict[str, Any]] = field(default_factory=list)
+    #: The user's vLLM config for this component, which the expert is built with (plus this plan).
+    quant_config: Any = None
 
     @classmethod
     def of(
@@ -182,25 +179,27 @@ class Nvfp4Plan:
         )  # fmt: skip
 
     def route(self, prefix: str, route: LayerRoute) -> LayerRoute:
-        """The route of the runtime Linear ``prefix`` given the config's ``route``: BF16 when its
-        checkpoint layers are not (all) NVFP4, W4A8 for ``W4A16_NVFP4`` layers, else ``route``."""
+        """The route of the runtime Linear ``prefix`` given the config's ``route``: the shared NVFP4
+        decision (:func:`~vllm_omni_mxfp4.sources.nvfp4.routing.decide_linear`: BF16 when its
+        checkpoint layers are not all NVFP4, W4A8 for ``W4A16_NVFP4`` layers), else ``route``."""
         layers = [self.checkpoint.layers[n] for n in self.by_runtime.get(prefix, ())]
         if not layers:
             return route  # no tensors in the checkpoint: as any offline layer (the load says so)
-        kept = [layer for layer in layers if layer.action != "requantize"]
-        if kept:
-            reason = f"NVFP4 checkpoint: {kept[0].name} {kept[0].reason}"
-            if len(kept) < len(layers):
-                reason += " (a fused projection runs in the precision of its most precise part)"
-            return LayerRoute(Precision.BF16, (), reason, prefix)
+        decision = decide_linear(layers, quantizable=True, runtime=prefix)
+        if not decision.quantized:
+            subject = f"{layers[0].name} " if len(layers) == 1 else ""
+            return LayerRoute(Precision.BF16, (), f"NVFP4 checkpoint: {subject}{decision.reason}", prefix)
         if route.precision is Precision.BF16:
             return route
-        if route.precision is Precision.W4A4 and any(layer.algo == W4A16_ALGO for layer in layers):
-            route = LayerRoute(
-                Precision.W4A8, (), f"{W4A16_ALGO} in the checkpoint: 8-bit activations, not 4", prefix
-            )
+        if route.precision is Precision.W4A4 and decision.precision == "w4a8":
+            route = LayerRoute(Precision.W4A8, (), decision.reason, prefix)
         self.mx_layers.add(prefix)
         return route
+
+    def override(self, prefix: str, route: LayerRoute, config: Any) -> tuple[LayerRoute, Mxfp4Config]:
+        """This plan as a route override (:mod:`vllm_omni_mxfp4.omni.routes`): :meth:`route`, and the
+        offline config every Linear of the expert gets (its weights arrive serialized)."""
+        return self.route(prefix, route), self.config
 
     def summary(self) -> str:
         """One line: how many checkpoint layers were requantized, dequantized and kept."""
@@ -211,21 +210,6 @@ class Nvfp4Plan:
         worst = max((r for r in self.records if "rel_rms" in r), key=lambda r: r["rel_rms"], default=None)
         tail = f"; largest rel_rms {worst['rel_rms']:.4g} ({worst['layer']})" if worst else ""
         return f"{self.component}: {self.checkpoint.summary()}; loaded: {done} (rule {self.rule}){tail}"
-
-
-def current_plan() -> Nvfp4Plan | None:
-    """The plan of the expert being built now (None outside an NVFP4 expert's construction)."""
-    return _BUILDING.get()
-
-
-@contextlib.contextmanager
-def building(plan: Nvfp4Plan) -> Iterator[None]:
-    """Make ``plan`` the :func:`current_plan` while an expert is built."""
-    token = _BUILDING.set(plan)
-    try:
-        yield
-    finally:
-        _BUILDING.reset(token)
 
 
 # ------------------------------------------------------------------------------- detection
@@ -243,12 +227,12 @@ def _runtime_config(od_config: Any, component: str) -> Any:
     return qc
 
 
-def plan_component(od_config: Any, component: str, derived: bool = False) -> Nvfp4Plan | None:
+def plan_nvfp4_expert(od_config: Any, component: str, derived: bool = False) -> Nvfp4Plan | None:
     """The :class:`Nvfp4Plan` of ``component`` when one of our configs loads an NVFP4 checkpoint from
     a local directory; None otherwise. ``derived``: the layer names come from the pipeline's own
     transformer class (:func:`_class_names`), not Wan2.2's. Raises :class:`SourceError` for a layer we
     would not reproduce exactly, ValueError for ``mxfp4_dualscale``."""
-    from .quant_config import MxQuantizationConfig
+    from ..omni.quant_config import MxQuantizationConfig
 
     runtime = _runtime_config(od_config, component)
     model = getattr(od_config, "model", None)
@@ -263,35 +247,52 @@ def plan_component(od_config: Any, component: str, derived: bool = False) -> Nvf
     config = nvfp4_source_config(runtime.config, f"{component} ({checkpoint.origin})")
     names = _class_names(od_config, directory, checkpoint) if derived else None
     plan = Nvfp4Plan.of(component, directory, checkpoint, config, names)
+    plan.quant_config = runtime
     logger.info("%s: %s; requantizing to MXFP4 at load (rule %s)", component, checkpoint.summary(), plan.rule)
     return plan
 
 
-def _planning_create(original: Callable) -> Callable:
-    """``_create_transformer`` building an NVFP4 expert under its plan (module docstring, step 1)."""
+@contextlib.contextmanager
+def serving(od_config: Any, plan: Nvfp4Plan) -> Iterator[None]:
+    """``od_config.quantization_config`` with the plan's component built under the plan for the
+    duration of the build: its config (the whole config, or its entry of a per-component config)
+    replaced by a copy carrying the plan as a route override. The build is single-threaded."""
+    from vllm_omni.quantization.component_config import ComponentQuantizationConfig
 
-    def run(self: Any, config: dict, component: str = "transformer") -> Any:
-        plan = plan_component(self.od_config, component)
-        if plan is None:
-            return original(self, config, component)
-        config = {k: v for k, v in config.items() if k != "quantization_config"}
-        with building(plan):
-            model = original(self, config, component)
-        setattr(model, PLAN_ATTR, plan)
-        return model
+    saved = od_config.quantization_config
+    planned = with_override(plan.quant_config, plan)
+    if isinstance(saved, ComponentQuantizationConfig):
+        replaced = copy.copy(saved)
+        replaced.component_configs = {**saved.component_configs, plan.component: planned}
+    else:
+        replaced = planned
+    od_config.quantization_config = replaced
+    try:
+        yield
+    finally:
+        od_config.quantization_config = saved
 
-    return run
+
+def attach(module: Any, plan: Nvfp4Plan) -> None:
+    """Record ``plan`` on the expert built under it (:data:`PLAN_ATTR`), where the load finds it."""
+    if not isinstance(module, torch.nn.Module):
+        raise SourceError(
+            plan.component,
+            f"the pipeline has no {plan.component} module to load the NVFP4 checkpoint into",
+            "serve this pipeline from a converted checkpoint (vllm-omni-mxfp4 convert)",
+        )
+    setattr(module, PLAN_ATTR, plan)
 
 
 def _tolerant_from_dict(original: Callable) -> Callable:
     """``TransformerConfig.from_dict`` that keeps an NVFP4 producer config it cannot build as a method
     name without a config (vLLM-Omni 0.30 fails at start-up on compressed-tensors, which it looks up as
     ``compressed_tensors``, and on ModelOpt ``W4A16_NVFP4``, which it hands to its FP8 config): the
-    expert's build reads it (:func:`plan_component`) or fails there."""
+    expert's build reads it (:func:`plan_nvfp4_expert`) or fails there."""
 
     def run(cls: type, data: dict) -> Any:
         try:
-            return original.__func__(cls, data)
+            return original(cls, data)
         except (ValueError, TypeError) as exc:
             qc = data.get("quantization_config") if isinstance(data, dict) else None
             if not isinstance(qc, dict) or parse_quant_config(qc, "config.json quantization_config") is None:
@@ -303,58 +304,12 @@ def _tolerant_from_dict(original: Callable) -> Callable:
     return run
 
 
-def _wan_hooked(od_config: Any) -> bool:
-    """Whether the pipeline's experts are built through a wrapped ``_create_transformer`` (Wan2.2)."""
-    from vllm_omni.diffusion.registry import DiffusionModelRegistry
-
-    cls = DiffusionModelRegistry._try_load_model_cls(getattr(od_config, "model_class_name", None))
-    return getattr(getattr(cls, "_create_transformer", None), _INSTALLED, False)
-
-
-def _planning_initialize(original: Callable) -> Callable:
-    """vLLM-Omni's ``initialize_model`` building any other pipeline's ``transformer`` under its plan,
-    with the names of the pipeline's own transformer class (module docstring, step 1)."""
-
-    def run(od_config: Any, *args: Any, **kwargs: Any) -> Any:
-        plan = None if _wan_hooked(od_config) else plan_component(od_config, "transformer", derived=True)
-        if plan is None:
-            return original(od_config, *args, **kwargs)
-        with building(plan):
-            model = original(od_config, *args, **kwargs)
-        transformer = getattr(model, "transformer", None)
-        if not isinstance(transformer, torch.nn.Module):
-            raise SourceError(
-                "transformer",
-                f"{type(model).__name__} has no transformer module to load the NVFP4 checkpoint into",
-                "serve this pipeline from a converted checkpoint (vllm-omni-mxfp4 convert)",
-            )
-        setattr(transformer, PLAN_ATTR, plan)
-        return model
-
-    return run
-
-
 def install() -> None:
-    """Wrap the Wan2.2 pipelines' ``_create_transformer`` (T2V, I2V, VACE: one plan per expert),
-    vLLM-Omni's ``initialize_model`` (every other pipeline's ``transformer``) and
-    ``TransformerConfig.from_dict``; idempotent."""
-    from vllm_omni.diffusion import data, registry
-    from vllm_omni.diffusion.model_loader import diffusers_loader
-    from vllm_omni.diffusion.models.wan2_2 import pipeline_wan2_2, pipeline_wan2_2_i2v, pipeline_wan2_2_vace
+    """Wrap ``TransformerConfig.from_dict`` (:func:`_tolerant_from_dict`); idempotent. The builds are
+    wrapped by :mod:`.build`."""
+    from vllm_omni.diffusion import data
 
-    original = data.TransformerConfig.__dict__["from_dict"]
-    if not getattr(original.__func__, _INSTALLED, False):
-        wrapper = functools.wraps(original.__func__)(_tolerant_from_dict(original))
-        setattr(wrapper, _INSTALLED, True)
-        data.TransformerConfig.from_dict = classmethod(wrapper)
-    for pipeline in (
-        pipeline_wan2_2.Wan22Pipeline,
-        pipeline_wan2_2_i2v.Wan22I2VPipeline,
-        pipeline_wan2_2_vace.Wan22VACEPipeline,
-    ):
-        wrap_once(pipeline, "_create_transformer", _planning_create, _INSTALLED)
-    for module in (registry, diffusers_loader):  # the loader imported the function by name
-        wrap_once(module, "initialize_model", _planning_initialize, _INSTALLED)
+    wrap_once(data.TransformerConfig, "from_dict", _tolerant_from_dict, "nvfp4_config")
 
 
 # ------------------------------------------------------------------------------- conversion
@@ -374,34 +329,6 @@ def _float_dtype(module: torch.nn.Module | None) -> tuple[torch.dtype, torch.dev
     if isinstance(weight, torch.Tensor) and weight.is_floating_point():
         return weight.dtype, weight.device
     return torch.bfloat16, torch.device("cpu")
-
-
-def _in_row_chunks(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, rows_of) -> torch.Tensor:
-    """A ``shape`` tensor in ``dtype`` filled by ``rows_of(rows)`` (float32 values of a row range), so
-    the float32 temporaries stay one row chunk, never a whole layer."""
-    out = torch.empty(shape, dtype=dtype, device=device)
-    for rows in row_slices(*shape):
-        out[rows] = rows_of(rows).to(dtype)
-    return out
-
-
-def _dequantized(layer: LayerSource, get: Callable[[str], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """A layer's weight in ``dtype``: NVFP4 through the exact float32 dequant (Smooth folded into the
-    columns), FP8 times its scale (per tensor or per row); each value rounded once."""
-    if layer.action == "dequantize":
-        weight, scale = get(layer.tensors["weight"]), get(layer.tensors["weight_scale"]).float()
-        if scale.numel() > 1:
-            return _in_row_chunks(
-                weight.shape, dtype, weight.device, lambda r: weight[r].float() * scale.reshape(-1, 1)[r]
-            )
-        return _in_row_chunks(
-            weight.shape, dtype, weight.device, lambda r: weight[r].float() * scale.reshape(())
-        )
-    w = load_nvfp4_weight(layer, get)
-    smooth = load_mul_scale(layer, get)
-    if smooth is None:
-        return _in_row_chunks(w.shape, dtype, w.codes.device, lambda r: dequantize_rows(w, r))
-    return _in_row_chunks(w.shape, dtype, w.codes.device, lambda r: dequantize_rows(w, r) * smooth)
 
 
 def _record(plan: Nvfp4Plan, layer: LayerSource, action: str, reason: str, **extra: Any) -> None:
@@ -430,7 +357,7 @@ def convert_layer(
     weight_key = layer.tensors["weight"]
     module_name = weight_key.rpartition(".")[0]
     if not mx:
-        out.append((f"{module_name}.weight", _dequantized(layer, get, dtype)))
+        out.append((f"{module_name}.weight", dequantize_layer(layer, get, dtype, device)))
         why = layer.reason if layer.action == "dequantize" else "NVFP4 layer of a Linear that runs in BF16"
         _record(plan, layer, "dequantize", f"{why}; exact float32 dequant rounded once to {dtype}")
         return out

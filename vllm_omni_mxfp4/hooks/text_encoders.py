@@ -21,11 +21,9 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from .patching import wrap_once
+from ..patching import wrap_once
 
 logger = logging.getLogger(__name__)
-
-_INSTALLED = "_vllm_omni_mxfp4_text_encoder"
 
 
 def _is_ours(spec: Any) -> bool:
@@ -33,7 +31,7 @@ def _is_ours(spec: Any) -> bool:
     from vllm_omni.quantization import build_quant_config
     from vllm_omni.quantization.component_config import ComponentQuantizationConfig
 
-    from .quant_config import MxQuantizationConfig
+    from ..omni.quant_config import MxQuantizationConfig
 
     config = build_quant_config(spec)
     if isinstance(config, ComponentQuantizationConfig):
@@ -75,4 +73,4 @@ def install() -> None:
     ``create_transformers_model`` in its own module at call time); idempotent."""
     from vllm_omni.diffusion.models import utils
 
-    wrap_once(utils, "recursive_replace_linear", _bf16_under_ours, _INSTALLED)
+    wrap_once(utils, "recursive_replace_linear", _bf16_under_ours, "text_encoders")

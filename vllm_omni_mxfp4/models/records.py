@@ -1,6 +1,6 @@
-"""What the model walk finds, as plain data (no torch): the runtime Linears and where the model's
-loader puts each checkpoint tensor. :mod:`.model` fills them from vLLM-Omni's class; :mod:`.checks`
-reads them."""
+"""What a model build finds, as plain data (no torch): the runtime Linears and where the model's
+loader puts each checkpoint tensor. :mod:`.build` fills them from vLLM-Omni's class;
+:mod:`vllm_omni_mxfp4.inspection` reads them."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ from typing import Any
 
 #: vLLM fused-piece ids of Q/K/V (``QKVParallelLinear``); merged columns use integer ids.
 QKV_SHARDS = ("q", "k", "v")
+
+
+def piece_index(shard: Any) -> int:
+    """The order of fused piece ``shard`` in its Linear: ``"q"``, ``"k"``, ``"v"`` or a column index."""
+    return QKV_SHARDS.index(shard) if shard in QKV_SHARDS else int(shard)
 
 
 @dataclass(frozen=True)
@@ -37,9 +42,7 @@ class RuntimeLinear:
 
     def piece(self, shard: Any) -> int | None:
         """The index of fused piece ``shard`` (``"q"``, ``1``...), ``None`` for the whole layer."""
-        if shard is None:
-            return None
-        return QKV_SHARDS.index(shard) if shard in QKV_SHARDS else int(shard)
+        return None if shard is None else piece_index(shard)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-WORKER_EXTENSION = "vllm_omni_mxfp4.omni.report.TransformerReportExtension"
+WORKER_EXTENSION = "vllm_omni_mxfp4.inspection.engine.TransformerReportExtension"
 """Qualified name to pass as ``Omni(worker_extension_cls=...)``."""
 
 RPC_METHOD = "mxfp4_transformer_report"
@@ -128,7 +128,7 @@ class TransformerReportExtension:
         import torch
         from vllm.model_executor.layers.linear import LinearBase
 
-        from .nvfp4_loading import PLAN_ATTR
+        from ..hooks.nvfp4_loading import PLAN_ATTR
 
         pipeline = self.model_runner.pipeline
         transformers = {}
@@ -164,7 +164,7 @@ def _world_group() -> Any:
 
 
 @dataclass
-class TransformerReport:
+class LoadedTransformer:
     """One transformer of the running engine; byte counts are summed over all ranks (``ranks``)."""
 
     name: str
@@ -237,7 +237,7 @@ def _rank_reports(results: Any) -> list[dict[str, Any]]:
     return [by_rank[rank] for rank in sorted(by_rank)]
 
 
-def transformer_reports(omni: Any, timeout: float = 120.0) -> list[TransformerReport]:
+def transformer_reports(omni: Any, timeout: float = 120.0) -> list[LoadedTransformer]:
     """Ask the workers of an ``Omni`` built with ``worker_extension_cls=WORKER_EXTENSION``.
 
     Byte counts are summed over all ranks (tensor-parallel shards, and replicas under sequence or
@@ -249,12 +249,12 @@ def transformer_reports(omni: Any, timeout: float = 120.0) -> list[TransformerRe
     ranks = _rank_reports(engine.collective_rpc(RPC_METHOD, timeout=timeout))
     if not ranks:
         raise RuntimeError(f"no diffusion worker answered {RPC_METHOD}")
-    reports: dict[str, TransformerReport] = {}
+    reports: dict[str, LoadedTransformer] = {}
     for rank in ranks:
         for name, info in rank["transformers"].items():
             report = reports.get(name)
             if report is None:
-                reports[name] = TransformerReport(
+                reports[name] = LoadedTransformer(
                     name, info["weight_bytes"], info["kernel_bytes"], info["backend_bytes"], info["linears"],
                     nvfp4=info.get("nvfp4", []),
                 )  # fmt: skip

@@ -1,0 +1,171 @@
+"""Names in a quantization config checked against the model vLLM-Omni builds; per-component configs
+spelled with method names accepted by vLLM-Omni's own factory.
+
+- :func:`check_pipeline` runs where vLLM-Omni has built a pipeline (``initialize_model``, wrapped by
+  :mod:`.build` for every family): each component built with one of our configs has every entry of
+  every layer list and its leading-block count checked against the Linears it holds
+  (:func:`check_built_model`). A typo in ``ignored_layers`` stops the engine before any weight loads.
+- :func:`check_wan_components` / :func:`check_pipeline_experts`: the keys of a per-component config
+  against the experts a Wan2.2 pipeline builds (``"transfomer"``, or ``transformer_2`` on a
+  single-expert model, would leave an expert in BF16 silently). :func:`install` wraps
+  ``resolve_wan_transformer_quant_config`` of the T2V/I2V and VACE pipelines; :mod:`.build` calls
+  :func:`check_pipeline_experts` from its ``_create_transformer`` wrapper.
+- ``factory._is_per_component_dict``: vLLM-Omni recognises a per-component dict only when one value
+  is ``null`` or a dict, so ``{"transformer": "mxfp4", "transformer_2": "mxfp4_dualscale"}`` and
+  ``{"default": "mxfp4"}`` (the user guide's forms) were refused as a flat config without a method.
+  A dict without a method key whose values name one of our methods is per-component too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..config import SUPPORTED_METHODS, QuantConfig
+from ..config.keys import METHOD_KEYS
+from ..config.names import check_component_names, check_model_names
+from ..patching import wrap_once
+
+logger = logging.getLogger(__name__)
+
+WAN_EXPERTS = ("transformer", "transformer_2")
+"""The components vLLM-Omni's Wan2.2 pipelines build with a quantization config (its experts)."""
+
+HOOK = "names"
+
+
+def _our_configs(component: torch.nn.Module) -> list[Any]:
+    """The distinct pure configs of our methods (quantized or BF16-routed) on ``component``'s Linears."""
+    found: dict[int, Any] = {}
+    for module in component.modules():
+        method = getattr(module, "quant_method", None)
+        config = getattr(method, "config", None) if getattr(method, "route", None) is not None else None
+        if isinstance(config, QuantConfig):
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+def _linear_names(component: torch.nn.Module) -> tuple[set[str], set[str], list[str]]:
+    """(every name a layer list may use: the prefix each vLLM Linear hands its quantization config,
+    and the path of each plain ``nn.Linear``; those plain ones; pipeline-parallel slots not built)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    names, plain, missing = set(), set(), []
+    for name, module in component.named_modules():
+        if isinstance(module, LinearBase):
+            route = getattr(getattr(module, "quant_method", None), "route", None)
+            names.add(
+                route.prefix if route is not None and route.prefix else getattr(module, "prefix", "") or name
+            )
+        elif isinstance(module, torch.nn.Linear):
+            # Plain nn.Linear layers (Wan's condition embedders, proj_out) run in BF16 whatever the
+            # config says, so listing them (as merged checkpoints do) is not a typo.
+            names.add(name)
+            plain.add(name)
+        elif isinstance(module, PPMissingLayer):
+            missing.append(name)
+    return names, plain, missing
+
+
+def check_built_model(component: torch.nn.Module, name: str = "") -> None:
+    """Check the layer lists and leading-block count of every one of our configs that built
+    ``component`` (a transformer vLLM-Omni built; ``name`` its place in the pipeline) against it."""
+    configs = _our_configs(component)
+    if not configs:
+        return
+    linears, plain, missing = _linear_names(component)
+    blocks = getattr(component, "blocks", None)
+    num_blocks = len(blocks) if isinstance(blocks, torch.nn.ModuleList) else None
+    where = f" ({name})" if name else ""
+    for config in configs:
+        check_model_names(
+            config,
+            linears,
+            num_blocks,
+            model=f"the {type(component).__name__}{where} vLLM-Omni built",
+            unverifiable=missing,
+            plain=plain,
+        )
+
+
+def check_pipeline(pipeline: torch.nn.Module) -> None:
+    """:func:`check_built_model` on each component of a pipeline vLLM-Omni built (and on the model
+    itself when it holds Linears directly)."""
+    children = list(pipeline.named_children())
+    for name, child in children:
+        check_built_model(child, name)
+    if not children:
+        check_built_model(pipeline)
+
+
+def check_wan_components(quant_config: Any, experts: tuple[str, ...] = WAN_EXPERTS, where: str = "") -> None:
+    """Refuse per-component keys that name no Wan2.2 expert of ``experts`` (when one of our methods is
+    involved); ``where`` says which pipeline, for the message."""
+    from vllm_omni.quantization.component_config import ComponentQuantizationConfig
+
+    from ..omni.quant_config import MxQuantizationConfig
+
+    if not isinstance(quant_config, ComponentQuantizationConfig):
+        return
+    configs = [*quant_config.component_configs.values(), quant_config.default_config]
+    if any(isinstance(c, MxQuantizationConfig) for c in configs):
+        check_component_names(quant_config.component_configs, experts, f" in the per-component config{where}")
+
+
+def check_pipeline_experts(pipeline: Any) -> None:
+    """Refuse per-component keys naming an expert this Wan pipeline does not have (``transformer_2``
+    on a single-expert model such as TI2V-5B): that config would silently configure nothing."""
+    od_config = pipeline.od_config
+    if getattr(od_config, "quantization_config_is_auto_detected", False):
+        return
+    experts = (
+        ("transformer", "transformer_2")
+        if getattr(pipeline, "has_transformer_2", False)
+        else ("transformer",)
+    )
+    where = f" (the model {od_config.model!r} has {' and '.join(experts)} only)" if len(experts) == 1 else ""
+    check_wan_components(getattr(od_config, "quantization_config", None), experts, where)
+
+
+def _names_our_method(value: object) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in SUPPORTED_METHODS
+    if isinstance(value, Mapping):
+        return any(_names_our_method(value.get(k)) for k in METHOD_KEYS)
+    return False
+
+
+def is_our_per_component_dict(spec: Mapping[str, Any]) -> bool:
+    """A dict without a method key whose values are method names, dicts or ``null``, one of which
+    names ``mxfp4`` / ``mxfp4_dualscale``: per-component, whatever vLLM-Omni's own test says."""
+    if not spec or any(k in spec for k in METHOD_KEYS):
+        return False
+    if not all(v is None or isinstance(v, (str, Mapping)) for v in spec.values()):
+        return False
+    return any(_names_our_method(v) for v in spec.values())
+
+
+def _accepting_our_dicts(original: Any) -> Any:
+    return lambda spec: original(spec) or is_our_per_component_dict(spec)
+
+
+def _checking_resolve(original: Any) -> Any:
+    def run(config, quant_config, component):
+        check_wan_components(quant_config)
+        return original(config, quant_config, component)
+
+    return run
+
+
+def install() -> None:
+    """Wrap vLLM-Omni's Wan per-component resolution and its factory (module docstring); idempotent."""
+    from vllm_omni.diffusion.models.wan2_2 import pipeline_wan2_2, pipeline_wan2_2_vace
+    from vllm_omni.quantization import factory
+
+    for pipeline in (pipeline_wan2_2, pipeline_wan2_2_vace):  # each imported the function by name
+        wrap_once(pipeline, "resolve_wan_transformer_quant_config", _checking_resolve, HOOK)
+    wrap_once(factory, "_is_per_component_dict", _accepting_our_dicts, HOOK)
