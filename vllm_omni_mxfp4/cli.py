@@ -9,6 +9,7 @@ import re
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 MERGE_DESCRIPTION = """\
 Merge msModelSlim W4A4 MXFP4 output (W4A4_MXFP4 or W4A4_MXFP4_DUALSCALE, either saver, sharded or not)
@@ -261,17 +262,6 @@ def run_merge(args: argparse.Namespace) -> int:
     return run_guarded(args, work, format_merge_summary)
 
 
-def _add_merge_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "merge",
-        help="Merge msModelSlim MXFP4 output into a diffusers Wan2.2 checkpoint.",
-        description=MERGE_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_merge_arguments(parser)
-    parser.set_defaults(func=run_merge)
-
-
 CONVERT_DESCRIPTION = """\
 Convert an NVFP4 diffusers checkpoint (ModelOpt, compressed-tensors or Comfy/BFL layout) into an
 offline MXFP4 one that vLLM-Omni auto-detects (quant_method mxfp4, packed uint8 weight + E8M0
@@ -390,17 +380,6 @@ def run_convert(args: argparse.Namespace) -> int:
     return run_guarded(args, work, format_convert_summary)
 
 
-def _add_convert_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "convert",
-        help="Convert an NVFP4 diffusers checkpoint into an offline MXFP4 one.",
-        description=CONVERT_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_convert_arguments(parser)
-    parser.set_defaults(func=run_convert)
-
-
 INSPECT_DESCRIPTION = """\
 Validate a checkpoint before deployment without starting the engine (no accelerator, bounded
 memory). PATH is a diffusers pipeline (model_index.json) or one component directory (config.json).
@@ -438,26 +417,48 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0 if report.ok else 2
 
 
-def _add_inspect_command(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "inspect",
-        help="Validate a checkpoint before deployment: method, and each runtime Linear's precision and tensors.",
-        description=INSPECT_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``inspect``."""
     parser.add_argument("path", metavar="PATH", help="Pipeline directory, or one transformer directory.")
     parser.add_argument(
         "--component", metavar="NAME", help="Inspect only this component (e.g. transformer_2)."
     )
     parser.add_argument("--json", action="store_true", help="Print a machine-readable JSON report instead.")
-    parser.set_defaults(func=run_inspect)
 
 
-#: One small function per subcommand; each adds its sub-parser and sets ``func``.
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_merge_command,
-    _add_convert_command,
-    _add_inspect_command,
+@dataclass(frozen=True)
+class Subcommand:
+    """One subcommand: its name, one-line help, description, arguments and what runs it."""
+
+    name: str
+    help: str
+    description: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    Subcommand(
+        "merge",
+        "Merge msModelSlim MXFP4 output into a diffusers Wan2.2 checkpoint.",
+        MERGE_DESCRIPTION,
+        add_merge_arguments,
+        run_merge,
+    ),
+    Subcommand(
+        "convert",
+        "Convert an NVFP4 diffusers checkpoint into an offline MXFP4 one.",
+        CONVERT_DESCRIPTION,
+        add_convert_arguments,
+        run_convert,
+    ),
+    Subcommand(
+        "inspect",
+        "Validate a checkpoint before deployment: method, and each runtime Linear's precision and tensors.",
+        INSPECT_DESCRIPTION,
+        add_inspect_arguments,
+        run_inspect,
+    ),
 )
 
 
@@ -465,8 +466,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser; each subcommand adds its own sub-parser."""
     parser = argparse.ArgumentParser(prog="vllm-omni-mxfp4", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for register in SUBCOMMANDS:
-        register(subparsers)
+    for command in SUBCOMMANDS:
+        parser_of = subparsers.add_parser(
+            command.name,
+            help=command.help,
+            description=command.description,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        command.add_arguments(parser_of)
+        parser_of.set_defaults(func=command.run)
     return parser
 
 

@@ -13,8 +13,11 @@ install through it. Standard library only.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 MARKER = "_vllm_omni_mxfp4_hook"
 """Attribute set on every wrapper: the name of the hook that made it."""
@@ -54,6 +57,14 @@ def wrap_once(owner: Any, name: str, make: Callable[[Callable], Callable], hook:
     setattr(owner, name, classmethod(wrapper) if is_classmethod else wrapper)
     WRAPPED[_label(owner, name)] = hook
     return True
+
+
+def wrap_logged(owner: Any, name: str, make: Callable[[Callable], Callable], hook: str, what: str) -> bool:
+    """:func:`wrap_once`, with one DEBUG line saying ``what`` changed when this call wrapped it."""
+    wrapped = wrap_once(owner, name, make, hook)
+    if wrapped:
+        logger.debug("vllm-omni-mxfp4: %s (%s, hook %s)", what, _label(owner, name), hook)
+    return wrapped
 
 
 def original_of(function: Callable) -> Callable:

@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..patching import original_of, wrap_once
+from ..patching import original_of, wrap_logged
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +82,8 @@ def install_worker_output_fixup() -> bool:
     """
     from vllm_omni.diffusion.worker.diffusion_worker import WorkerProc
 
-    # Overrides vllm_omni.diffusion.worker.diffusion_worker.WorkerProc._async_output_loop (module doc).
-    installed = wrap_once(WorkerProc, "_async_output_loop", _replaced, HOOK)
-    if installed:
-        logger.debug(
-            "CPU platform: WorkerProc._async_output_loop overridden (vllm_omni_mxfp4.platform.fixups)"
-        )
-    return installed
+    what = "CPU platform: WorkerProc._async_output_loop overridden (module doc)"
+    return wrap_logged(WorkerProc, "_async_output_loop", _replaced, HOOK, what)
 
 
 def _replaced(upstream: Callable[[Any], None]) -> Callable[[Any], None]:

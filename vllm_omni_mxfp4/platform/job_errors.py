@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..patching import original_of, wrap_once
+from ..patching import original_of, wrap_logged
 from .request_guard import failure_reason
 
 logger = logging.getLogger(__name__)
@@ -51,13 +51,8 @@ def install_video_error_fixup() -> bool:
     helpers = sys.modules.get(HELPERS)
     if helpers is None:
         return False
-    # Wraps vllm_omni.entrypoints.openai.video.generation.helpers._video_error_from_exception (module doc).
-    installed = wrap_once(helpers, "_video_error_from_exception", _with_reason, HOOK)
-    if installed:
-        logger.debug(
-            "CPU platform: video job errors always carry a reason (vllm_omni_mxfp4.platform.job_errors)"
-        )
-    return installed
+    what = "CPU platform: video job errors always carry a reason (module doc)"
+    return wrap_logged(helpers, "_video_error_from_exception", _with_reason, HOOK, what)
 
 
 def _with_reason(upstream: Callable[[Exception], Any]) -> Callable[[Exception], Any]:
