@@ -161,7 +161,7 @@ def test_a_bfl_comfy_file_converts_to_diffusers_names(tmp_path: Path, monkeypatc
     calls = []
     real = convert_tensors.requantize_nvfp4
     monkeypatch.setattr(
-        convert_tensors, "requantize_nvfp4", lambda w, rule: calls.append(w.name) or real(w, rule)
+        convert_tensors, "requantize_nvfp4", lambda w, rule, **kw: calls.append(w.name) or real(w, rule, **kw)
     )
     report = convert(source, tmp_path / "out", progress=False)
     assert sorted(calls) == sorted(set(calls)) and len(calls) == 6  # each layer once, its Q/K/V parts from it
