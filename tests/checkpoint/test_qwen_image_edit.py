@@ -257,8 +257,10 @@ def _requantized(state, leaf: str) -> torch.Tensor:
     return torch.ones((n, -(-k // 512), 1), dtype=torch.float32)
 
 
-def test_cli_json_stdout_is_only_the_report(recipe, tmp_path):
-    """In a fresh process the merge imports vLLM-Omni to derive the names; vLLM's logs go to stderr."""
+def test_cli_json_stdout_is_only_the_report(recipe, tmp_path, monkeypatch):
+    """In a fresh process the merge imports vLLM-Omni to derive the names; vLLM's logs go to stderr.
+    An empty cache of its own, so that the names are derived here, not read from the session's."""
+    monkeypatch.setenv("VLLM_OMNI_MXFP4_CACHE", str(tmp_path / "cache"))
     argv = [
         sys.executable,
         "-m",
