@@ -5,6 +5,9 @@ process, as the diffusion worker sets them up, for tests that build vLLM / vLLM-
 It is module-scoped: the process group is torn down after each module, because other code that
 runs in the same pytest process (msModelSlim's quantizers) changes behaviour when
 ``torch.distributed`` is initialized.
+
+Under pytest-xdist (``scripts/test.sh``), every test is put in a group of tests that share what is
+expensive to build, and the longest groups start first: :mod:`tests.support.scheduling`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,13 @@ import pytest
 import torch
 
 from tests.support.ports import free_port
+from tests.support.scheduling import assign_groups
 from tests.support.tp_ranks import RankEnv
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    assign_groups(config, items)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,90 @@
+"""How the suite is spread over pytest-xdist workers (``scripts/test.sh``: ``-n 2 --dist loadgroup``).
+
+Under ``--dist loadgroup`` xdist hands each worker whole groups of tests (``xdist_group`` marks).
+:func:`group_of` puts every test in a group, so that what tests share stays in one process:
+
+- a test file is a group (its module-scoped engines, references and process groups are built once);
+- a directory of :data:`SHARED_DIRS` is one group: its files share session fixtures or caches that
+  are expensive to build twice (msModelSlim exports, the scan of every vLLM-Omni model file);
+- in a file of :data:`SPLIT`, each test of the named function is a group of its own (the doc
+  sessions are independent commands, and some of them take minutes), the rest of the file one group.
+
+:func:`longest_first` then orders the groups: those of :data:`LONGEST` first, in that order (the
+longest units of a ``--durations`` run), the others after them in collection order, so that no
+long unit starts last while the other worker idles. The order changes only how evenly the workers
+finish, never what a test sees: a stale list costs time, not correctness.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+SHARED_DIRS = ("tests/checkpoint/", "tests/models/")
+SPLIT = {"tests/docs/test_doc_blocks.py": "test_doc_session_runs"}
+DOC_SESSION = "tests/docs/test_doc_blocks.py::test_doc_session_runs"
+#: Group-name prefixes, longest units first (seconds on the 2-core machine in a --durations run).
+LONGEST = (
+    "tests/checkpoint/",
+    "tests/demo/test_models_e2e.py",
+    "tests/omni/test_wan_tp2.py",
+    "tests/omni/test_tensor_parallel.py",
+    "tests/models/",
+    "tests/omni/test_omni_e2e.py",
+    "tests/platform/test_omni_engine.py",
+    "tests/omni/test_omni_names_e2e.py",
+    "tests/platform/test_serve_component_configs.py",
+    f"{DOC_SESSION}(README.md:268)",
+    f"{DOC_SESSION}(docs/e2e_models.md:15)",
+    "tests/nvfp4/test_online_e2e.py",
+    f"{DOC_SESSION}(README.md:258)",
+    "tests/nvfp4/test_convert_e2e.py",
+    "tests/demo/test_demo_e2e.py",
+    "tests/nvfp4/test_online_models.py",
+    f"{DOC_SESSION}(README.md#merge)",
+    f"{DOC_SESSION}(README.md#serve)",
+    f"{DOC_SESSION}(docs/user_guide.md#validate)",
+    f"{DOC_SESSION}(docs/user_guide.md:173)",
+    "tests/examples/test_text_to_video.py",
+    f"{DOC_SESSION}(docs/user_guide.md#w4a8-serve)",
+    "tests/nvfp4/test_online_tp2.py",
+    "tests/docs/test_doc_blocks.py",
+)
+
+
+def _safe(name: str) -> str:
+    """xdist finds the group after the last ``@`` of a node id, past its last ``]``."""
+    return name.replace("[", "(").replace("]", ")").replace("@", "_")
+
+
+def group_of(item: pytest.Item) -> str:
+    """The ``xdist_group`` of ``item`` (see the module)."""
+    path = item.nodeid.split("::", 1)[0]
+    for directory in SHARED_DIRS:
+        if path.startswith(directory):
+            return directory
+    split = SPLIT.get(path)
+    if split is not None and getattr(item, "originalname", item.name) == split:
+        return _safe(item.nodeid)
+    return path
+
+
+def _rank(group: str) -> int:
+    return next((i for i, prefix in enumerate(LONGEST) if group.startswith(prefix)), len(LONGEST))
+
+
+def longest_first(items: list[pytest.Item], groups: dict[pytest.Item, str]) -> list[pytest.Item]:
+    """``items`` with the groups of :data:`LONGEST` first; a group's tests stay in their order."""
+    first_seen = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(groups[item], index)
+    return sorted(items, key=lambda item: (_rank(groups[item]), first_seen[groups[item]]))
+
+
+def assign_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every item with its group and order them (only in an xdist worker under loadgroup)."""
+    if not hasattr(config, "workerinput") or config.getoption("dist", "no") != "loadgroup":
+        return
+    groups = {item: group_of(item) for item in items}
+    for item, group in groups.items():
+        item.add_marker(pytest.mark.xdist_group(group))
+    items[:] = longest_first(items, groups)
