@@ -1,5 +1,7 @@
 """Fixtures shared by every test directory.
 
+``tiny_dir``: the demo's tiny two-expert Wan2.2 pipeline (built once into the tiny-model cache).
+
 ``vllm_env``: vLLM-Omni's diffusion configs plus an initialized TP=1 gloo process group in this
 process, as the diffusion worker sets them up, for tests that build vLLM / vLLM-Omni layers here.
 It is module-scoped: the process group is torn down after each module, because other code that
@@ -25,6 +27,14 @@ from tests.support.tp_ranks import RankEnv
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     assign_groups(config, items)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir():
+    """The tiny two-expert Wan2.2 pipeline (2 blocks per expert) from the default cache."""
+    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
+
+    return build_tiny_wan(2)
 
 
 @pytest.fixture(scope="module")
