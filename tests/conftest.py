@@ -1,6 +1,8 @@
 """Fixtures shared by every test directory.
 
 ``tiny_dir``: the demo's tiny two-expert Wan2.2 pipeline (built once into the tiny-model cache).
+``shared_runs``: engine runs that several files compare against, run once per test run
+(:mod:`tests.support.engine_runs`).
 
 ``vllm_env``: vLLM-Omni's diffusion configs plus an initialized TP=1 gloo process group in this
 process, as the diffusion worker sets them up, for tests that build vLLM / vLLM-Omni layers here.
@@ -35,6 +37,13 @@ def tiny_dir():
     from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
 
     return build_tiny_wan(2)
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory):
+    from tests.support.engine_runs import SharedRuns, run_root  # the demo's engine job
+
+    return SharedRuns(run_root(tmp_path_factory) / "shared-engine-runs")
 
 
 @pytest.fixture(scope="module")
