@@ -22,25 +22,25 @@ import pytest
 SHARED_DIRS = ("tests/checkpoint/", "tests/models/")
 SPLIT = {"tests/docs/test_doc_blocks.py": "test_doc_session_runs"}
 DOC_SESSION = "tests/docs/test_doc_blocks.py::test_doc_session_runs"
-#: Group-name prefixes, longest units first (seconds on the 2-core machine in a --durations run).
+#: Group-name prefixes, longest units first (from --durations runs on the 2-core machine).
 LONGEST = (
-    "tests/checkpoint/",
     "tests/demo/test_models_e2e.py",
-    "tests/omni/test_wan_tp2.py",
-    "tests/omni/test_tensor_parallel.py",
+    "tests/checkpoint/",
     "tests/models/",
-    "tests/omni/test_omni_e2e.py",
-    "tests/platform/test_omni_engine.py",
+    "tests/omni/test_omni_e2e.py",  # before the other users of the shared BF16 run
     "tests/omni/test_omni_names_e2e.py",
     "tests/platform/test_serve_component_configs.py",
+    "tests/omni/test_wan_tp2.py",
+    "tests/omni/test_tensor_parallel.py",
+    "tests/platform/test_omni_engine.py",
     f"{DOC_SESSION}(README.md:268)",
     f"{DOC_SESSION}(docs/e2e_models.md:15)",
     "tests/nvfp4/test_online_e2e.py",
-    f"{DOC_SESSION}(README.md:258)",
-    "tests/nvfp4/test_convert_e2e.py",
     "tests/demo/test_demo_e2e.py",
     "tests/nvfp4/test_online_models.py",
     f"{DOC_SESSION}(README.md#merge)",
+    "tests/nvfp4/test_convert_e2e.py",
+    f"{DOC_SESSION}(README.md:258)",
     f"{DOC_SESSION}(README.md#serve)",
     f"{DOC_SESSION}(docs/user_guide.md#validate)",
     f"{DOC_SESSION}(docs/user_guide.md:173)",
