@@ -6,8 +6,11 @@ Under ``--dist loadgroup`` xdist hands each worker whole groups of tests (``xdis
 - a test file is a group (its module-scoped engines, references and process groups are built once);
 - a directory of :data:`SHARED_DIRS` is one group: its files share session fixtures or caches that
   are expensive to build twice (msModelSlim exports, the scan of every vLLM-Omni model file);
-- in a file of :data:`SPLIT`, each test of the named function is a group of its own (the doc
-  sessions are independent commands, and some of them take minutes), the rest of the file one group.
+- each doc session (``tests/docs/test_doc_blocks.py::test_doc_session_runs``) is a group of its own:
+  the sessions are independent commands, and some of them take minutes. The group is named after
+  what the session runs (``doc:`` and its first command line, or ``doc:README.md#merge`` for a
+  named session), which does not move when lines are added above it; the rest of the file is one
+  group.
 
 :func:`longest_first` then orders the groups: those of :data:`LONGEST` first, in that order (the
 longest units of a ``--durations`` run), the others after them in collection order, so that no
@@ -20,8 +23,7 @@ from __future__ import annotations
 import pytest
 
 SHARED_DIRS = ("tests/checkpoint/", "tests/models/")
-SPLIT = {"tests/docs/test_doc_blocks.py": "test_doc_session_runs"}
-DOC_SESSION = "tests/docs/test_doc_blocks.py::test_doc_session_runs"
+DOC_SESSIONS = ("tests/docs/test_doc_blocks.py", "test_doc_session_runs")
 #: Group-name prefixes, longest units first (from --durations runs on the 2-core machine).
 LONGEST = (
     "tests/demo/test_models_e2e.py",
@@ -33,19 +35,20 @@ LONGEST = (
     "tests/omni/test_wan_tp2.py",
     "tests/omni/test_tensor_parallel.py",
     "tests/platform/test_omni_engine.py",
-    f"{DOC_SESSION}(README.md:268)",
-    f"{DOC_SESSION}(docs/e2e_models.md:15)",
+    "doc:python bench/requant.py --load",
+    "doc:python -m vllm_omni_mxfp4_demo.models",
     "tests/nvfp4/test_online_e2e.py",
     "tests/demo/test_demo_e2e.py",
     "tests/nvfp4/test_online_models.py",
-    f"{DOC_SESSION}(README.md#merge)",
+    "doc:README.md#merge",
     "tests/nvfp4/test_convert_e2e.py",
-    f"{DOC_SESSION}(README.md:258)",
-    f"{DOC_SESSION}(README.md#serve)",
-    f"{DOC_SESSION}(docs/user_guide.md#validate)",
-    f"{DOC_SESSION}(docs/user_guide.md:173)",
+    "doc:python bench/linear.py",
+    "doc:README.md#serve",
+    "doc:docs/user_guide.md#validate",
+    "doc:import json",  # docs/user_guide.md's W4A8 Omni(...) example
+    "doc:from vllm_omni import Omni",  # README's Omni(...) example
     "tests/examples/test_text_to_video.py",
-    f"{DOC_SESSION}(docs/user_guide.md#w4a8-serve)",
+    "doc:docs/user_guide.md#w4a8-serve",
     "tests/nvfp4/test_online_tp2.py",
     "tests/docs/test_doc_blocks.py",
 )
@@ -56,15 +59,22 @@ def _safe(name: str) -> str:
     return name.replace("[", "(").replace("]", ")").replace("@", "_")
 
 
+def doc_session_group(session) -> str:
+    """``doc:`` and a named session's name, or the first line of a session's first block."""
+    if "#" in session.name:
+        return f"doc:{session.name}"
+    first = next((line.strip() for line in session.steps[0].block.code.splitlines() if line.strip()), "")
+    return _safe(f"doc:{first}")
+
+
 def group_of(item: pytest.Item) -> str:
     """The ``xdist_group`` of ``item`` (see the module)."""
     path = item.nodeid.split("::", 1)[0]
     for directory in SHARED_DIRS:
         if path.startswith(directory):
             return directory
-    split = SPLIT.get(path)
-    if split is not None and getattr(item, "originalname", item.name) == split:
-        return _safe(item.nodeid)
+    if (path, getattr(item, "originalname", item.name)) == DOC_SESSIONS:
+        return doc_session_group(item.callspec.params["session"])
     return path
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +16,7 @@ class _Item:
     """What the grouping reads of a pytest item."""
 
     nodeid: str
+    callspec: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(params={}), compare=False)
 
     @property
     def name(self) -> str:
@@ -25,8 +27,12 @@ class _Item:
         return self.name.split("[", 1)[0]
 
 
+def _doc_session(name: str, code: str) -> SimpleNamespace:
+    """What the grouping reads of a doc session (tests/docs/doc_blocks.py's Session)."""
+    return SimpleNamespace(name=name, steps=[SimpleNamespace(block=SimpleNamespace(code=code))])
+
+
 def test_a_file_a_shared_directory_or_a_doc_session_is_a_group():
-    session = "tests/docs/test_doc_blocks.py::test_doc_session_runs[README.md:268]"
     groups = {
         "tests/omni/test_wan_tp2.py::test_tp2_equals_tp1[ocp]": "tests/omni/test_wan_tp2.py",
         "tests/omni/test_wan_tp2.py::test_dualscale_with_unaligned_row_shards_equals_tp1[4]": (
@@ -35,12 +41,23 @@ def test_a_file_a_shared_directory_or_a_doc_session_is_a_group():
         "tests/checkpoint/test_recipes.py::test_x": "tests/checkpoint/",
         "tests/checkpoint/test_merge.py::test_y[a]": "tests/checkpoint/",
         "tests/models/test_online_models.py::test_z": "tests/models/",
-        session: "tests/docs/test_doc_blocks.py::test_doc_session_runs(README.md:268)",
         "tests/docs/test_doc_blocks.py::test_docs_run_something": "tests/docs/test_doc_blocks.py",
     }
     assert {nodeid: scheduling.group_of(_Item(nodeid)) for nodeid in groups} == groups
+
+
+def test_a_doc_session_is_named_after_what_it_runs_not_its_line():
+    runs = "tests/docs/test_doc_blocks.py::test_doc_session_runs"
+    bench = _Item(f"{runs}[README.md:269]", SimpleNamespace(params={"session": _doc_session(
+        "README.md:269", "\n  python bench/requant.py --load [x]\nmore\n"
+    )}))  # fmt: skip
+    named = _Item(f"{runs}[README.md#merge]", SimpleNamespace(params={"session": _doc_session(
+        "README.md#merge", "python - <<'EOF'\n"
+    )}))  # fmt: skip
+    assert scheduling.group_of(bench) == "doc:python bench/requant.py --load (x)"
+    assert scheduling.group_of(named) == "doc:README.md#merge"
     # xdist takes the group after the node id's last "@", past its last "]"
-    assert "]" not in scheduling.group_of(_Item(session)) and "@" not in scheduling._safe("a@b[c]")
+    assert scheduling._safe("a@b[c]") == "a_b(c)"
 
 
 def test_the_longest_groups_come_first_and_a_group_keeps_its_order():
