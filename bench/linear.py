@@ -1,14 +1,16 @@
 """Emulated W4A4 Linear speed and online-loading memory, against BF16 in the same run.
 
     python bench/linear.py [--tokens 1024] [--features 4096] [--repeats 7] [--memory-blocks 2]
+                           [--dim 5120 --ffn 13824]
 
 1. Speed: an emulated ``mxfp4`` Linear (vLLM ``ColumnParallelLinear`` with our method, the real
    forward path) of [tokens x K] x [K x N] in bf16, next to bf16 ``F.linear`` on the same weights,
    with the dequantized weight cached (default) and with the weight kept packed. Prints the time
    ratio to bf16.
 2. Memory: peak RSS of building and loading a stack of Wan2.2-A14B-sized blocks (dim 5120, FFN
-   13824: 8 Linears, 351M parameters a block) online as ``mxfp4`` (packed weights) versus BF16, each
-   in a fresh process. Weights are generated one layer at a time, as a streaming loader reads them.
+   13824: 8 Linears, 351M parameters a block; ``--dim`` / ``--ffn`` set other widths) online as
+   ``mxfp4`` (packed weights) versus BF16, each in a fresh process. Weights are generated one layer
+   at a time, as a streaming loader reads them.
 """
 
 from __future__ import annotations
@@ -26,16 +28,19 @@ import time
 import torch
 import torch.nn.functional as F
 
-WAN_A14B_BLOCK = [  # (name, out_features, in_features) of one Wan2.2-A14B transformer block
-    ("attn1.to_qkv", 3 * 5120, 5120),
-    ("attn1.to_out", 5120, 5120),
-    ("attn2.to_q", 5120, 5120),
-    ("attn2.to_k", 5120, 5120),
-    ("attn2.to_v", 5120, 5120),
-    ("attn2.to_out", 5120, 5120),
-    ("ffn.net_0.proj", 13824, 5120),
-    ("ffn.net_2", 5120, 13824),
-]
+
+def wan_block(dim: int = 5120, ffn: int = 13824) -> list[tuple[str, int, int]]:
+    """(name, out_features, in_features) of one Wan2.2 transformer block; the defaults are Wan2.2-A14B's."""
+    return [
+        ("attn1.to_qkv", 3 * dim, dim),
+        ("attn1.to_out", dim, dim),
+        ("attn2.to_q", dim, dim),
+        ("attn2.to_k", dim, dim),
+        ("attn2.to_v", dim, dim),
+        ("attn2.to_out", dim, dim),
+        ("ffn.net_0.proj", ffn, dim),
+        ("ffn.net_2", dim, ffn),
+    ]
 
 
 def _free_port() -> int:
@@ -142,8 +147,8 @@ def speed(args) -> None:
         print(f"  {name:<34} {t * 1e3:8.2f} ms   {t / t_bf16:.2f}x")
 
 
-def memory_child(mode: str, blocks: int) -> None:
-    """Build and load ``blocks`` Wan-sized blocks; print peak RSS (run in a fresh process)."""
+def memory_child(mode: str, blocks: int, dim: int, ffn: int) -> None:
+    """Build and load ``blocks`` Wan2.2 blocks of ``dim`` / ``ffn``; print peak RSS (run in a fresh process)."""
     ctx = init_vllm()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     spec = None if mode == "bf16" else {"method": "mxfp4", "backend": "emulated"}
@@ -153,7 +158,7 @@ def memory_child(mode: str, blocks: int) -> None:
     largest = 0
     g = torch.Generator().manual_seed(0)
     for _ in range(blocks):
-        for _name, n, k in WAN_A14B_BLOCK:
+        for _name, n, k in wan_block(dim, ffn):
             layer = make_linear(ctx, spec, n, k)
             w = torch.randn(n, k, generator=g, dtype=torch.bfloat16)
             largest = max(largest, w.numel() * 2)
@@ -173,22 +178,28 @@ def memory(args) -> None:
     results = {}
     for mode in ("bf16", "mxfp4"):
         out = subprocess.run(
-            [sys.executable, __file__, "--memory-child", mode, "--memory-blocks", str(args.memory_blocks)],
+            [sys.executable, __file__, "--memory-child", mode, "--memory-blocks", str(args.memory_blocks)]
+            + ["--dim", str(args.dim), "--ffn", str(args.ffn)],
             capture_output=True,
             text=True,
             check=True,
         )
         results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     gib = 2**30
-    print(f"\nLoading {args.memory_blocks} Wan2.2-A14B-sized block(s) ({len(WAN_A14B_BLOCK)} Linears each):")
+    size = (
+        "Wan2.2-A14B-sized" if (args.dim, args.ffn) == (5120, 13824) else f"Wan2.2 ({args.dim} / {args.ffn})"
+    )
+    print(f"\nLoading {args.memory_blocks} {size} block(s) ({len(wan_block())} Linears each):")
     for mode, r in results.items():
         print(
             f"  {mode:<6} weights held {r['held'] / gib:6.2f} GiB, peak RSS above start "
             f"{r['peak_above_start'] / gib:6.2f} GiB"
         )
     q, b = results["mxfp4"], results["bf16"]
+    # Blocks smaller than what importing vLLM allocated may not raise the peak at all.
+    ratio = f"{q['peak_above_start'] / b['peak_above_start']:.2f}" if b["peak_above_start"] > 0 else "n/a"
     print(
-        f"  online mxfp4 peak / bf16 peak = {q['peak_above_start'] / b['peak_above_start']:.2f}; "
+        f"  online mxfp4 peak / bf16 peak = {ratio}; "
         f"mxfp4 peak - held = {(q['peak_above_start'] - q['held']) / gib:.2f} GiB "
         f"(largest BF16 layer {q['largest_bf16_layer'] / gib:.2f} GiB)"
     )
@@ -202,11 +213,17 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--memory-blocks", type=int, default=2)
+    parser.add_argument(
+        "--dim", type=int, default=5120, help="memory blocks' model width (Wan2.2-A14B: 5120)"
+    )
+    parser.add_argument(
+        "--ffn", type=int, default=13824, help="memory blocks' FFN width (Wan2.2-A14B: 13824)"
+    )
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--memory-child", choices=["bf16", "mxfp4"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
-        memory_child(args.memory_child, args.memory_blocks)
+        memory_child(args.memory_child, args.memory_blocks, args.dim, args.ffn)
         return
     speed(args)
     if not args.skip_memory:

@@ -8,5 +8,8 @@ cd "$root"
 echo "[test] ruff check + format check"
 "$venv/bin/ruff" check vllm_omni_mxfp4 tools examples bench tests scripts
 "$venv/bin/ruff" format --check vllm_omni_mxfp4 tools examples bench tests scripts
-echo "[test] pytest"
-exec "$venv/bin/python" -m pytest "$@"
+echo "[test] pytest (2 workers; -n 0 runs in this process)"
+# Two workers: engine start-up (imports) is mostly single-threaded, so two run side by side on two
+# cores. Tests are handed out in groups that share their engines and fixtures, longest groups first
+# (tests/support/scheduling.py); --no-loadscope-reorder keeps that order.
+exec "$venv/bin/python" -m pytest -n 2 --dist loadgroup --no-loadscope-reorder "$@"

@@ -1,10 +1,17 @@
 """Fixtures shared by every test directory.
 
+``tiny_dir``: the demo's tiny two-expert Wan2.2 pipeline (built once into the tiny-model cache).
+``shared_runs``: engine runs that several files compare against, run once per test run
+(:mod:`tests.support.engine_runs`).
+
 ``vllm_env``: vLLM-Omni's diffusion configs plus an initialized TP=1 gloo process group in this
 process, as the diffusion worker sets them up, for tests that build vLLM / vLLM-Omni layers here.
 It is module-scoped: the process group is torn down after each module, because other code that
 runs in the same pytest process (msModelSlim's quantizers) changes behaviour when
 ``torch.distributed`` is initialized.
+
+Under pytest-xdist (``scripts/test.sh``), every test is put in a group of tests that share what is
+expensive to build, and the longest groups start first: :mod:`tests.support.scheduling`.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import pytest
 import torch
 
 from tests.support.ports import free_port
+from tests.support.scheduling import assign_groups
 from tests.support.tp_ranks import RankEnv
 
 
@@ -26,6 +34,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write the tiny models' measurements to docs/models_measured.json instead of checking "
         "them (tests/models/conftest.py)",
     )
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    assign_groups(config, items)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir():
+    """The tiny two-expert Wan2.2 pipeline (2 blocks per expert) from the default cache."""
+    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
+
+    return build_tiny_wan(2)
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory):
+    from tests.support.engine_runs import SharedRuns, run_root  # the demo's engine job
+
+    return SharedRuns(run_root(tmp_path_factory) / "shared-engine-runs")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from tests.support.layers import (
     mxfp8_dir,
     run,
     set_kernels,
-    tiny_dir,
     weights,
 )
 from vllm_omni_mxfp4.formats import e4m3_decode, quantize_mxfp8
@@ -36,7 +35,7 @@ from .conftest import install_aiter
 
 pytestmark = pytest.mark.omni
 
-__all__ = ["mxfp8_dir", "tiny_dir"]  # module fixtures
+__all__ = ["mxfp8_dir"]  # module fixtures
 
 PREFIX = "blocks.1.attn2.to_q"
 SPEC = {"method": "mxfp4", "is_checkpoint_mxfp4_serialized": True, "mxfp8_layers": [PREFIX]}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.layers import build_expert, exact, forward, offline_dirs, set_kernels, tiny_dir
+from tests.support.layers import build_expert, exact, forward, offline_dirs, set_kernels
 from vllm_omni_mxfp4.kernels import AiterSingle, EmulatedAiterSingle, NpuDual, NpuSingle
 from vllm_omni_mxfp4.steps import denoise_step
 
@@ -20,7 +20,7 @@ from .conftest import install_aiter
 
 pytestmark = pytest.mark.omni
 
-__all__ = ["offline_dirs", "tiny_dir"]  # module fixtures
+__all__ = ["offline_dirs"]  # module fixtures
 
 ONLINE = {
     "w4a8_layers": (

@@ -74,12 +74,23 @@ class Scenario:
     specs: dict[str, ExpertSpec]
 
 
+@pytest.fixture(scope="session")
+def session_cache(tmp_path_factory) -> Path:
+    """One ``$VLLM_OMNI_MXFP4_CACHE`` for the merges of this session: the runtime names a merge derives
+    from a vLLM-Omni class (a child process importing vLLM-Omni, about 10 s) are derived once per
+    class and config, then read back, as on a user's machine. It starts empty, so each session
+    derives every key it needs once."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture(autouse=True)
-def private_home(tmp_path_factory, monkeypatch):
+def private_home(tmp_path_factory, monkeypatch, session_cache):
     """A temporary HOME for each test, so that the merge's staging registry
-    (``~/.cache/vllm-omni-mxfp4/merge-staging``) is the test's own, in this process and its children."""
+    (``~/.cache/vllm-omni-mxfp4/merge-staging``) is the test's own, in this process and its children;
+    the cache of derived runtime names is the session's (:func:`session_cache`)."""
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("VLLM_OMNI_MXFP4_CACHE", str(session_cache))
     return home
 
 

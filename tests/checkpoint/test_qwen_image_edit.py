@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from tests.support import msmodelslim_hw_rules as hw
 from tests.support import msmodelslim_sd, qwen_image
+from tests.support.metrics import cosine
 from vllm_omni_mxfp4.checkpoint import CheckpointError, merge
 
 from ..formats.reference import CODE_VALUES
@@ -125,8 +126,8 @@ def test_vllm_omni_serves_it_close_to_msmodelslims_model(recipe, vllm_env):
     # msModelSlim simulates activations with its own exponent rule (floor(log2(amax * 8/7)) - 2) and
     # rounds halves away from zero; the runtime applies the OCP rules. Measured: cosine 0.9906 to
     # msModelSlim's output, 0.9858 to BF16's; msModelSlim's own output is 0.9866 from BF16's.
-    assert _cosine(ours, reference) > 0.99
-    assert _cosine(ours, reference) > _cosine(bf16, reference)
+    assert cosine(ours, reference) > 0.99
+    assert cosine(ours, reference) > cosine(bf16, reference)
 
 
 # vLLM-Omni runtime Linear (suffix inside a block) -> the diffusers Linears msModelSlim quantized.
@@ -176,11 +177,6 @@ def test_vllm_omni_equals_msmodelslims_linears_with_hardware_rules(recipe, vllm_
                 n: hw.bf16_steps(out, hw.first(model.get_submodule(n)(x))) for n, (x, out) in seen.items()
             }
     hw.assert_within_accumulation(steps, got, hardware)
-
-
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.flatten().double(), b.flatten().double()
-    return (a @ b / (a.norm() * b.norm())).item()
 
 
 def _copy(recipe, tmp_path):
@@ -257,8 +253,10 @@ def _requantized(state, leaf: str) -> torch.Tensor:
     return torch.ones((n, -(-k // 512), 1), dtype=torch.float32)
 
 
-def test_cli_json_stdout_is_only_the_report(recipe, tmp_path):
-    """In a fresh process the merge imports vLLM-Omni to derive the names; vLLM's logs go to stderr."""
+def test_cli_json_stdout_is_only_the_report(recipe, tmp_path, monkeypatch):
+    """In a fresh process the merge imports vLLM-Omni to derive the names; vLLM's logs go to stderr.
+    An empty cache of its own, so that the names are derived here, not read from the session's."""
+    monkeypatch.setenv("VLLM_OMNI_MXFP4_CACHE", str(tmp_path / "cache"))
     argv = [
         sys.executable,
         "-m",

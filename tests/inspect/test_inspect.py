@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.layers import checkpoint_variant, mxfp8_dir, offline_dirs, tiny_dir
+from tests.support.layers import checkpoint_variant, mxfp8_dir, offline_dirs
 from tests.support.models import table_tool
 from vllm_omni_mxfp4.cli import main
 from vllm_omni_mxfp4.inspection import format_table, inspect_path
 
-__all__ = ["mxfp8_dir", "offline_dirs", "tiny_dir"]  # module fixtures
+__all__ = ["mxfp8_dir", "offline_dirs"]  # module fixtures
 
 pytestmark = pytest.mark.omni
 pytest.importorskip(

@@ -18,7 +18,8 @@ import traceback
 import pytest
 import torch
 
-from tests.support.models import SANA_WM, build, cosine, finish, forward, load_from, randomize
+from tests.support.metrics import cosine
+from tests.support.models import SANA_WM, build, finish, forward, load_from, randomize
 
 CASE = SANA_WM
 CAST_LINES = {

@@ -3,7 +3,8 @@ no quantization argument (the MXFP4 layout is auto-detected), and generates exac
 NVFP4 pipeline with load-time requantization generates under the same rule.
 
 The NVFP4 pipeline is the demo's tiny two-expert Wan2.2 with its block Linears packed by
-compressed-tensors itself (:func:`tests.nvfp4.checkpoints.nvfp4_pipeline`).
+compressed-tensors itself (:func:`tests.nvfp4.checkpoints.nvfp4_pipeline`); serving it is the run
+that tests/nvfp4/test_online_e2e.py checks too (shared: ``tests/support/engine_runs.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 
 from tests.nvfp4.checkpoints import nvfp4_pipeline
 from tests.platform.omni_procs import Job, omni_installed, run_engine_job, subprocess_env
+from tests.support.engine_runs import nvfp4_served_job
 from vllm_omni_mxfp4.convert import convert
 
 pytestmark = [
@@ -33,17 +35,17 @@ def run(tmp: Path, model: Path, **kwargs) -> tuple[np.ndarray, dict]:
     return np.load(tmp / "frames_0.npy"), result
 
 
-def test_converted_pipeline_is_auto_detected_and_equals_online_requantization(tmp_path: Path) -> None:
-    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
-
-    source = nvfp4_pipeline(build_tiny_wan(2), tmp_path / "nvfp4")
+def test_converted_pipeline_is_auto_detected_and_equals_online_requantization(
+    tiny_dir: Path, shared_runs, tmp_path: Path
+) -> None:
+    source = nvfp4_pipeline(tiny_dir, tmp_path / "nvfp4")
     report = convert(source, tmp_path / "mxfp4", scale_rule="mse", progress=False)
     assert [c.name for c in report.components] == ["transformer", "transformer_2"]
     for sub in ("transformer", "transformer_2"):
         config = json.loads((tmp_path / "mxfp4" / sub / "config.json").read_text())
         assert config["quantization_config"]["quant_method"] == "mxfp4"
     converted, result = run(tmp_path / "converted", tmp_path / "mxfp4")
-    online, _ = run(tmp_path / "online", source, quantization="mxfp4")
+    online = shared_runs.run(nvfp4_served_job(source), timeout=ENGINE_DEADLINE_S).frames(0)
     assert np.isfinite(converted).all()
     assert np.array_equal(converted, online)
     for transformer in result["transformers"]:

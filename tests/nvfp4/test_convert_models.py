@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.nvfp4.checkpoints import MODELOPT_FIXTURES, dequantized_copy, pack_component
 from tests.support import flux1_export, msmodelslim_sd
+from tests.support.metrics import cosine
 from vllm_omni_mxfp4.checkpoint import CheckpointError
 from vllm_omni_mxfp4.convert import convert
 from vllm_omni_mxfp4.convert.targets import TARGETS
@@ -55,7 +56,7 @@ def test_a_flux1_checkpoint_converts_by_the_class_names_and_serves(
     got = flux1_export.engine_forward(vllm_env, engine)
     reference = flux1_export.engine_transformer(vllm_env, dequantized_copy(source, tmp_path / "bf16"))
     want = flux1_export.engine_forward(vllm_env, reference)
-    assert msmodelslim_sd.cosine(got, want) > 0.99
+    assert cosine(got, want) > 0.99
 
 
 def test_a_tensor_the_class_does_not_load_is_refused(

@@ -2,7 +2,8 @@
 the CPU platform (subprocess engines, each bounded in its own process group).
 
 The pipeline is the demo's tiny two-expert Wan2.2 with both experts' block Linears packed to NVFP4
-by compressed-tensors itself (:func:`tests.nvfp4.checkpoints.nvfp4_pipeline`).
+by compressed-tensors itself (:func:`tests.nvfp4.checkpoints.nvfp4_pipeline`). The served run and its
+BF16 reference are the engine runs shared with other files (``tests/support/engine_runs.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from tests.platform.omni_procs import (
     subprocess_env,
     wait_until_healthy,
 )
+from tests.support.engine_runs import nvfp4_served_job, wan_bf16_job
+from tests.support.metrics import cosine
 from tests.support.ports import free_port
 
 pytestmark = [
@@ -40,15 +43,8 @@ BLOCK_LINEARS = 20  # 2 blocks x (attn1 q/k/v/out, attn2 q/k/v/out, ffn net.0.pr
 
 
 @pytest.fixture(scope="module")
-def bf16_dir() -> Path:
-    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
-
-    return build_tiny_wan(2)
-
-
-@pytest.fixture(scope="module")
-def nvfp4_dir(bf16_dir, tmp_path_factory) -> Path:
-    return nvfp4_pipeline(bf16_dir, tmp_path_factory.mktemp("nvfp4") / "wan")
+def nvfp4_dir(tiny_dir, tmp_path_factory) -> Path:
+    return nvfp4_pipeline(tiny_dir, tmp_path_factory.mktemp("nvfp4") / "wan")
 
 
 def run(tmp: Path, model: Path, **kwargs) -> tuple[np.ndarray, dict]:
@@ -57,14 +53,10 @@ def run(tmp: Path, model: Path, **kwargs) -> tuple[np.ndarray, dict]:
     return np.load(tmp / "frames_0.npy"), result
 
 
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
-def test_omni_serves_the_nvfp4_pipeline_requantized(bf16_dir, nvfp4_dir, tmp_path):
-    frames, result = run(tmp_path / "nvfp4", nvfp4_dir, quantization="mxfp4")
-    reference, _ = run(tmp_path / "bf16", bf16_dir)
+def test_omni_serves_the_nvfp4_pipeline_requantized(tiny_dir, nvfp4_dir, shared_runs):
+    served = shared_runs.run(nvfp4_served_job(nvfp4_dir), timeout=ENGINE_DEADLINE_S)
+    frames, result = served.frames(0), served.result
+    reference = shared_runs.run(wan_bf16_job(tiny_dir), timeout=ENGINE_DEADLINE_S, trace=True).frames(0)
     assert frames.shape == reference.shape and np.isfinite(frames).all()
     assert cosine(frames, reference) > 0.98
     reports = {t["name"]: t for t in result["transformers"]}

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from tests.nvfp4.checkpoints import pack_component
 from tests.platform.omni_procs import Job, omni_installed, run_engine_job, subprocess_env
 from tests.support import flux1_export
+from tests.support.metrics import cosine
 from vllm_omni_mxfp4.checkpoint import CheckpointError
 from vllm_omni_mxfp4.hooks.nvfp4_loading import plan_nvfp4_expert
 from vllm_omni_mxfp4.omni import build_quant_config
@@ -50,11 +51,6 @@ def run(tmp: Path, model: Path, **kwargs) -> tuple[np.ndarray, dict]:
               guidance_scale=3.5, report=True)  # fmt: skip
     result = run_engine_job(job, timeout=ENGINE_DEADLINE_S, env=subprocess_env())
     return np.load(tmp / "frames_0.npy"), result
-
-
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 @pytest.mark.slow

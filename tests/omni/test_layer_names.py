@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.layers import build_expert, checkpoint_variant, offline_dirs, quantized_layers, tiny_dir
+from tests.support.layers import build_expert, checkpoint_variant, offline_dirs, quantized_layers
 
-__all__ = ["offline_dirs", "tiny_dir"]
+__all__ = ["offline_dirs"]
 
 pytestmark = pytest.mark.omni
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.support.layers import build_expert, checkpoint_variant, offline_dirs, tiny_dir
+from tests.support.layers import build_expert, checkpoint_variant, offline_dirs
 from vllm_omni_mxfp4 import spec
 from vllm_omni_mxfp4.formats import quantize_mx
 
-__all__ = ["offline_dirs", "tiny_dir"]  # module fixtures
+__all__ = ["offline_dirs"]  # module fixtures
 
 pytestmark = pytest.mark.omni
 

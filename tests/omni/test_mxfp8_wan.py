@@ -12,7 +12,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from tests.support.compare import ReferenceKernel
@@ -24,17 +23,13 @@ from tests.support.layers import (
     mxfp8_dir,
     quantized_layers,
     set_kernels,
-    tiny_dir,
 )
+from tests.support.metrics import cosine
 from vllm_omni_mxfp4.config import Precision
 
-__all__ = ["mxfp8_dir", "tiny_dir"]  # module fixtures
+__all__ = ["mxfp8_dir"]  # module fixtures
 
 pytestmark = pytest.mark.omni
-
-
-def cosine(a, b):
-    return F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 Every engine runs under a deadline in its own process group (the demo's engine job and runner),
 with ``VLLM_OMNI_MXFP4_TRACE_FILE`` recording each quantized Linear call in every engine process.
+The BF16 reference is the run the engine tests share (``tests/support/engine_runs.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.platform.omni_procs import Job, omni_installed, run_engine_job, subprocess_env
+from tests.support.engine_runs import wan_bf16_job
 from vllm_omni_mxfp4.formats import quantize_dualscale, quantize_mx
 
 pytestmark = [
@@ -29,18 +31,9 @@ STEPS = 3
 LAYERS_PER_EXPERT = 16
 
 
-@pytest.fixture(scope="module")
-def tiny_dir():
-    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
-
-    return build_tiny_wan(2)
-
-
-def run_omni(tmp: Path, model: Path, **kwargs) -> tuple[np.ndarray, list[dict]]:
+def run_omni(tmp: Path, model: Path, steps: int = STEPS, **kwargs) -> tuple[np.ndarray, list[dict]]:
     trace = tmp / "trace.jsonl"
-    job = Job(
-        str(model), str(tmp), omni_kwargs=kwargs, steps=STEPS, negative_prompt="blurry", boundary_ratio=0.875
-    )
+    job = Job(str(model), str(tmp), omni_kwargs=kwargs, steps=steps, boundary_ratio=0.875)
     run_engine_job(job, timeout=400, env=subprocess_env({"VLLM_OMNI_MXFP4_TRACE_FILE": str(trace)}))
     calls = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
     return np.load(tmp / "frames_0.npy"), calls
@@ -52,10 +45,10 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def bf16_frames(tiny_dir, tmp_path_factory):
-    frames, calls = run_omni(tmp_path_factory.mktemp("bf16"), tiny_dir)
-    assert calls == []  # nothing quantized
-    return frames
+def bf16_frames(tiny_dir, shared_runs):
+    run = shared_runs.run(wan_bf16_job(tiny_dir), timeout=400, trace=True)
+    assert run.trace() == []  # nothing quantized
+    return run.frames(0)
 
 
 def _denoise_calls(calls):
@@ -63,7 +56,8 @@ def _denoise_calls(calls):
 
 
 def test_omni_quantization_name(tiny_dir, bf16_frames, tmp_path):
-    frames, calls = run_omni(tmp_path, tiny_dir, quantization="mxfp4")
+    # the reference's request (its steps): the two engines differ only in the quantization
+    frames, calls = run_omni(tmp_path, tiny_dir, steps=wan_bf16_job(tiny_dir).steps, quantization="mxfp4")
     assert frames.shape == bf16_frames.shape == (1, 9, 16, 16, 3)
     assert np.isfinite(frames).all()
     assert psnr(frames, bf16_frames) > 20

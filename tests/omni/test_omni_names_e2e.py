@@ -21,13 +21,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir():
-    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
-
-    return build_tiny_wan(2)
-
-
 def _job(model: Path, out: Path, config: dict) -> Job:
     return Job(
         str(model), str(out), omni_kwargs={"quantization_config": config}, steps=2, boundary_ratio=0.875

@@ -138,11 +138,14 @@ def test_shared_blocks_geometry_and_refusal():
 def _dual_rank(rank, world, env, k, backend):
     """One real TP rank: the offline DualScale row-parallel layer, its partial and all-reduced outputs."""
     if backend == "npu":
-        import sys
+        from tests.support.fake_torch_npu import fake_torch_npu_installed
 
-        from tests.support.fake_torch_npu import make_fake_torch_npu
+        with fake_torch_npu_installed():
+            return _dual_rank_outputs(rank, world, env, k, backend)
+    return _dual_rank_outputs(rank, world, env, k, backend)
 
-        sys.modules["torch_npu"] = make_fake_torch_npu()
+
+def _dual_rank_outputs(rank, world, env, k, backend):
     ckpt, x, smooth = _dual_checkpoint(k)
     layer = _load_dual_row(env, ckpt, smooth, k, dtype=torch.float32, backend=backend)
     part = k // world
@@ -156,15 +159,34 @@ def _dual_rank(rank, world, env, k, backend):
     return partial.numpy(), reduced.numpy(), qdq.numpy(), (spec.k_pad_front, spec.k_pad_back)
 
 
+def _dual_ranks(rank, world, env, cases):
+    """:func:`_dual_rank` for each ``(k, backend)`` of ``cases`` in turn, in one set of rank processes."""
+    return {case: _dual_rank(rank, world, env, *case) for case in cases}
+
+
+# world -> the (k, backend) cases its ranks run, started once for the module (the fake NPU last).
+GLOO_CASES = {2: [(1536, "emulated")], 4: [(1536, "emulated"), (1536, "npu")]}
+
+
+@pytest.fixture(scope="module")
+def gloo_runs():
+    """world -> (k, backend) -> rank -> what :func:`_dual_rank` returned there."""
+    from tests.support.tp_ranks import run_ranks
+
+    got = {}
+    for world, cases in GLOO_CASES.items():
+        by_rank = run_ranks(world, _dual_ranks, cases)
+        got[world] = {case: {rank: r[case] for rank, r in by_rank.items()} for case in cases}
+    return got
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("k,tp,backend", [(1536, 2, "emulated"), (1536, 4, "emulated"), (1536, 4, "npu")])
-def test_dualscale_split_blocks_over_gloo_equal_tp1(k, tp, backend):
+def test_dualscale_split_blocks_over_gloo_equal_tp1(gloo_runs, k, tp, backend):
     """Real ranks over gloo agree on the split blocks' maxima (one all-reduce MAX): every rank
     quantizes its activations exactly as TP=1 quantizes the whole row (bit for bit), and its
     partial output is TP=1's cut to its K range up to float32 summation order, float32 callers too."""
-    from tests.support.tp_ranks import run_ranks
-
-    got = run_ranks(tp, _dual_rank, k, backend)
+    got = gloo_runs[tp][(k, backend)]
     ckpt, x, smooth = _dual_checkpoint(k)
     w_deq = dequantize_dualscale(*ckpt)
     part = k // tp

@@ -17,7 +17,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.support.compare import ReferenceKernel
 from tests.support.layers import (
@@ -29,12 +28,12 @@ from tests.support.layers import (
     offline_dirs,
     quantized_layers,
     set_kernels,
-    tiny_dir,
 )
+from tests.support.metrics import cosine
 from vllm_omni_mxfp4.config import Precision, parse_quantization
 from vllm_omni_mxfp4.steps import denoise_step
 
-__all__ = ["offline_dirs", "tiny_dir"]  # module fixtures, shared with tests/backends
+__all__ = ["offline_dirs"]  # module fixtures, shared with tests/backends
 
 pytestmark = pytest.mark.omni
 
@@ -55,10 +54,6 @@ def check_routing(model, config):
         else:
             assert isinstance(layer.quant_method, MxLinearMethod), name
             assert layer.quant_method.route == route, name
-
-
-def cosine(a, b):
-    return F.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 Each rank builds the expert with vLLM-Omni's factory and loader, then runs one forward in float32
 with the emulated backend. Rank 0's output must equal a TP=1 run up to float32 summation order (and,
-for W4A8 and DualScale, each rank's bf16 partial output).
+for W4A8 and DualScale, each rank's bf16 partial output). The ranks of each world size are started
+once for the module and run every spec in turn (:data:`RUNS`); the tests check their results.
 """
 
 from __future__ import annotations
@@ -15,15 +16,32 @@ from tests.support.tp_ranks import run_ranks
 pytestmark = [pytest.mark.omni, pytest.mark.slow]
 
 
-def _rank_run(rank: int, world: int, env, spec, model_dir: str):
-    """On one TP rank: the expert's output (numpy, sent by value) and block 0's parameter shapes."""
-    with env.context():
-        out, shapes = _load_and_run(env.od_config, spec, model_dir)
-    return out.numpy().copy(), shapes
+def _rank_runs(rank: int, world: int, env, specs: dict[str, dict], model_dir: str) -> dict:
+    """On one TP rank, for each spec in turn: the expert's output (numpy, sent by value) and block 0's
+    parameter shapes. One process runs them all (an engine process each would re-import vLLM-Omni)."""
+    got = {}
+    for key, spec in specs.items():
+        try:
+            with env.context():
+                out, shapes = _load_and_run(env.od_config, spec, model_dir)
+        except Exception as exc:
+            raise RuntimeError(f"TP={world} rank {rank}, spec {key!r}: {spec}") from exc
+        got[key] = out.numpy().copy(), shapes
+    return got
 
 
 def _load_and_run(od, spec, model_dir: str):
     """This rank's expert, built and loaded by vLLM-Omni, run once: (output, block 0's parameter shapes)."""
+    if spec.get("backend") == "npu":
+        from tests.support.fake_torch_npu import fake_torch_npu_installed
+
+        # The semantic fake, installed once the engine's platform is resolved; removed afterwards.
+        with fake_torch_npu_installed():
+            return _build_and_run(od, spec, model_dir)
+    return _build_and_run(od, spec, model_dir)
+
+
+def _build_and_run(od, spec, model_dir: str):
     from vllm.config import LoadConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
     from vllm_omni.diffusion.models.wan2_2.pipeline_wan2_2 import (
@@ -32,13 +50,6 @@ def _load_and_run(od, spec, model_dir: str):
     )
     from vllm_omni.quantization import build_quant_config
 
-    if spec.get("backend") == "npu":
-        import sys
-
-        from tests.support.fake_torch_npu import make_fake_torch_npu
-
-        # The semantic fake, installed once the engine's platform is resolved.
-        sys.modules["torch_npu"] = make_fake_torch_npu()
     cfg = load_transformer_config(model_dir, "transformer")
     model = create_transformer_from_config(cfg, build_quant_config(spec), component="transformer")
     model.weights_sources = [DiffusersPipelineLoader.ComponentSource(model_dir, "transformer", None)]
@@ -55,42 +66,51 @@ def _load_and_run(od, spec, model_dir: str):
     return out, {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith("blocks.0.")}
 
 
-def _run(world: int, spec, model_dir) -> dict:
-    got = run_ranks(world, _rank_run, spec, str(model_dir))
-    return {rank: (torch.from_numpy(out), shapes) for rank, (out, shapes) in got.items()}
+OCP = {"method": "mxfp4", "backend": "emulated"}
+# W4A8 rounds each rank's partial output to bf16 (the NPU mixed kernel's output dtype) before the
+# all-reduce, where TP=1 rounds the full sum once.
+UOS_W4A8 = {
+    "method": "mxfp4",
+    "w4a8_fallback_layers": ["blocks.1.ffn.net_2"],
+    "mxfp4_scale_alg": 2,
+    "backend": "emulated",
+}
+# The NPU backend over the semantic fake of torch_npu: its kernels write the caller's dtype (float32
+# here) after float32 accumulation, so TP=2 sums the same partials.
+NPU_FAKE = {"method": "mxfp4", "backend": "npu"}
+DUALSCALE = {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0, "backend": "emulated"}
+# Each world size runs its specs in one set of rank processes; TP=1 is the emulated reference of
+# each (NPU_FAKE's is OCP's). The fake NPU runs last in its processes.
+RUNS = {
+    1: {"ocp": OCP, "uos_w4a8": UOS_W4A8, "dualscale": DUALSCALE},
+    2: {"ocp": OCP, "uos_w4a8": UOS_W4A8, "dualscale": DUALSCALE, "npu_fake": NPU_FAKE},
+    4: {"dualscale": DUALSCALE},
+}
+TP1_REFERENCE = {"ocp": "ocp", "uos_w4a8": "uos_w4a8", "npu_fake": "ocp", "dualscale": "dualscale"}
 
 
 @pytest.fixture(scope="module")
-def tiny_dir():
-    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
+def runs(tiny_dir) -> dict:
+    """world -> spec key -> rank -> (output, block 0's shapes), the ranks of a world run once."""
+    got = {}
+    for world, specs in RUNS.items():
+        by_rank = run_ranks(world, _rank_runs, specs, str(tiny_dir))
+        got[world] = {
+            key: {rank: (torch.from_numpy(r[key][0]), r[key][1]) for rank, r in by_rank.items()}
+            for key in specs
+        }
+    return got
 
-    return build_tiny_wan(2)
+
+def _tp1(runs: dict, key: str) -> torch.Tensor:
+    return runs[1][TP1_REFERENCE[key]][0][0]
 
 
 @pytest.mark.parametrize(
-    "spec,tol",
-    [
-        ({"method": "mxfp4", "backend": "emulated"}, 1e-4),
-        # W4A8 rounds each rank's partial output to bf16 (the NPU mixed kernel's output dtype)
-        # before the all-reduce, where TP=1 rounds the full sum once.
-        (
-            {
-                "method": "mxfp4",
-                "w4a8_fallback_layers": ["blocks.1.ffn.net_2"],
-                "mxfp4_scale_alg": 2,
-                "backend": "emulated",
-            },
-            2e-3,
-        ),
-        # The NPU backend over the semantic fake of torch_npu: its kernels write the caller's dtype
-        # (float32 here) after float32 accumulation, so TP=2 sums the same partials.
-        ({"method": "mxfp4", "backend": "npu"}, 1e-4),
-    ],
-    ids=["ocp", "uos_w4a8", "npu_fake"],
+    "key,tol", [("ocp", 1e-4), ("uos_w4a8", 2e-3), ("npu_fake", 1e-4)], ids=["ocp", "uos_w4a8", "npu_fake"]
 )
-def test_tp2_equals_tp1(tiny_dir, spec, tol):
-    tp1 = _run(1, {**spec, "backend": "emulated"}, tiny_dir)[0][0]
-    tp2 = _run(2, spec, tiny_dir)
+def test_tp2_equals_tp1(runs, key, tol):
+    tp1, tp2 = _tp1(runs, key), runs[2][key]
     out0, shapes0 = tp2[0]
     out1, _ = tp2[1]
     assert torch.equal(out0, out1)  # both ranks hold the full output
@@ -101,10 +121,8 @@ def test_tp2_equals_tp1(tiny_dir, spec, tol):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_dualscale_with_unaligned_row_shards_equals_tp1(tiny_dir, world):
-    spec = {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0, "backend": "emulated"}
-    tp1 = _run(1, spec, tiny_dir)[0][0]
-    tp = _run(world, spec, tiny_dir)
+def test_dualscale_with_unaligned_row_shards_equals_tp1(runs, world):
+    tp1, tp = _tp1(runs, "dualscale"), runs[world]["dualscale"]
     out0, shapes0 = tp[0]
     assert all(torch.equal(out0, tp[r][0]) for r in tp)  # every rank holds the full output
     # attn1.to_out has K=512: 512/TP per rank, inside one 512-chunk (TP=4: ranks 1 and 2 pad 128+256 and

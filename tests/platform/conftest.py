@@ -1,4 +1,4 @@
-"""Fixtures of the CPU platform tests: the tiny Wan2.2 models and a test-only plugin site."""
+"""Fixtures of the CPU platform tests: a test-only plugin site (the tiny Wan2.2 is ``tiny_dir``, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,6 @@ from pathlib import Path
 import pytest
 
 CPU_TEST_QUANT_ENTRY_POINT = "cpu_test_quant"
-
-
-@pytest.fixture(scope="session")
-def tiny_wan_2e() -> Path:
-    """The two-expert tiny Wan2.2 pipeline from the default cache (built on first use)."""
-    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
-
-    return build_tiny_wan(2)
 
 
 @pytest.fixture(scope="session")

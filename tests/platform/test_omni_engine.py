@@ -3,7 +3,7 @@
 Each engine runs in its own subprocess (the demo's engine job, ``vllm_omni_mxfp4_demo.engine_job``)
 under a deadline, and its whole process group is reaped afterwards; a run that leaves processes
 behind fails. One engine serves several requests, so the BF16 run below is shared by the tests of
-this module.
+this module, and with the other files that compare against it (``tests/support/engine_runs.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from omni_procs import Job, omni_installed, run_engine_job, subprocess_env
+
+from tests.support.engine_runs import SharedRuns, wan_bf16_job
 
 pytestmark = [
     pytest.mark.slow,
@@ -56,10 +58,10 @@ def _frames(out: Path, index: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def bf16_run(tiny_wan_2e: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """One TP=1 BF16 engine, three requests: seed 0, seed 0 again, seed 1."""
-    out = tmp_path_factory.mktemp("omni_bf16_tp1")
-    return out, _run_omni(tiny_wan_2e, out, [0, 0, 1])
+def bf16_run(tiny_dir: Path, shared_runs: SharedRuns) -> tuple[Path, dict]:
+    """One TP=1 BF16 engine, three requests: seed 0, seed 0 again, seed 1 (the shared reference)."""
+    run = shared_runs.run(wan_bf16_job(tiny_dir), timeout=240, trace=True)
+    return run.out, run.result
 
 
 def test_tp1_bf16_generates_video_frames(bf16_run: tuple[Path, dict]) -> None:
@@ -85,7 +87,7 @@ def test_tp1_same_seed_same_frames(bf16_run: tuple[Path, dict]) -> None:
 
 
 def test_tp1_with_a_quantization_plugin(
-    tiny_wan_2e: Path, cpu_test_quant_site: Path, bf16_run: tuple[Path, dict], tmp_path: Path
+    tiny_dir: Path, cpu_test_quant_site: Path, bf16_run: tuple[Path, dict], tmp_path: Path
 ) -> None:
     """``quantization="mxfp4"`` served by a test-only method that a general plugin registers."""
     record = tmp_path / "quantized_layers.txt"
@@ -97,7 +99,7 @@ def test_tp1_with_a_quantization_plugin(
         },
         pythonpath=[cpu_test_quant_site],
     )
-    meta = _run_omni(tiny_wan_2e, tmp_path / "out", [0], quantization="mxfp4", env=env)
+    meta = _run_omni(tiny_dir, tmp_path / "out", [0], quantization="mxfp4", env=env)
     assert meta["platform"] == CPU_PLATFORM
 
     layers = [line.split() for line in record.read_text().splitlines()]
@@ -114,10 +116,10 @@ def test_tp1_with_a_quantization_plugin(
     assert difference.mean() < 0.01, "int8 per-channel weights should stay close to BF16"
 
 
-def test_tp2_over_gloo_matches_tp1(tiny_wan_2e: Path, bf16_run: tuple[Path, dict], tmp_path: Path) -> None:
+def test_tp2_over_gloo_matches_tp1(tiny_dir: Path, bf16_run: tuple[Path, dict], tmp_path: Path) -> None:
     # Two virtual devices whatever the core count (the default is the number of usable cores).
     env = subprocess_env({"VLLM_OMNI_MXFP4_CPU_DEVICES": "2"})
-    meta = _run_omni(tiny_wan_2e, tmp_path, [0], tp=2, env=env)
+    meta = _run_omni(tiny_dir, tmp_path, [0], tp=2, env=env)
     assert meta["platform"] == CPU_PLATFORM
     frames = _frames(tmp_path, 0)
     assert frames.shape == FRAMES_SHAPE and np.isfinite(frames).all()

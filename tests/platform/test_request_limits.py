@@ -381,13 +381,13 @@ def _form(**fields: int) -> dict[str, str]:
 @pytest.mark.skipif(
     psutil.virtual_memory().total <= SERVER_CAP, reason="the host has less memory than the cap"
 )
-def test_serve_refuses_an_oversized_request_and_serves_the_next(tiny_wan_2e: Path, tmp_path: Path) -> None:
+def test_serve_refuses_an_oversized_request_and_serves_the_next(tiny_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
     with open(log, "wb") as out:
         server = subprocess.Popen(
-            serve_command(tiny_wan_2e, port),
+            serve_command(tiny_dir, port),
             stdout=out,
             stderr=subprocess.STDOUT,
             env=subprocess_env(),

@@ -43,13 +43,13 @@ def _decode_mp4(data: bytes) -> np.ndarray:
         return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
 
 
-def test_serve_text_to_video_round_trip(tiny_wan_2e: Path, tmp_path: Path) -> None:
+def test_serve_text_to_video_round_trip(tiny_dir: Path, tmp_path: Path) -> None:
     import requests
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
-    command = serve_command(tiny_wan_2e, port)
+    command = serve_command(tiny_dir, port)
     with open(log, "wb") as out:
         server = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=subprocess_env(), start_new_session=True

@@ -71,12 +71,12 @@ def _one_video(base: str, log: Path) -> dict:
     [({"transformer": "mxfp4"}, 16), ({"default": "mxfp4"}, 32)],
     ids=["transformer-only", "default"],
 )
-def test_per_component_method_names_serve(tiny_wan_2e: Path, tmp_path: Path, config, quantized) -> None:
+def test_per_component_method_names_serve(tiny_dir: Path, tmp_path: Path, config, quantized) -> None:
     port, log, trace = free_port(), tmp_path / "server.log", tmp_path / "trace.jsonl"
     env = subprocess_env({"VLLM_OMNI_MXFP4_TRACE_FILE": str(trace)})
     with open(log, "wb") as out:
         server = subprocess.Popen(
-            [sys.executable, *_serve_args(tiny_wan_2e, port, config)],
+            [sys.executable, *_serve_args(tiny_dir, port, config)],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -113,11 +113,11 @@ def test_per_component_method_names_serve(tiny_wan_2e: Path, tmp_path: Path, con
     ],
     ids=["component-typo", "layer-typo", "leading-blocks"],
 )
-def test_names_that_match_nothing_stop_the_server(tiny_wan_2e: Path, tmp_path: Path, config, message) -> None:
+def test_names_that_match_nothing_stop_the_server(tiny_dir: Path, tmp_path: Path, config, message) -> None:
     log = tmp_path / "server.log"
     with pytest.raises(RunFailed) as info:
         run_bounded(
-            _serve_args(tiny_wan_2e, free_port(), config),
+            _serve_args(tiny_dir, free_port(), config),
             timeout=STARTUP_DEADLINE_S,
             env=subprocess_env(),
             log=log,

@@ -36,7 +36,10 @@ padding or scale rule either raises here or changes the numbers:
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -593,3 +596,16 @@ def _mode_bias(x1_fp4: bool, x2_t: bool, k: int, n: int, group_sizes, output_dty
 def make_fake_torch_npu() -> FakeTorchNpu:
     """A fresh fake ``torch_npu`` module (its own NZ registry and call log)."""
     return FakeTorchNpu()
+
+
+@contextlib.contextmanager
+def fake_torch_npu_installed() -> Iterator[FakeTorchNpu]:
+    """A fresh fake in ``sys.modules["torch_npu"]`` for the block, then removed again, so that the
+    next job of the same process (a tensor-parallel rank running several) sees no NPU."""
+    assert "torch_npu" not in sys.modules, "torch_npu is already imported in this process"
+    fake = make_fake_torch_npu()
+    sys.modules["torch_npu"] = fake
+    try:
+        yield fake
+    finally:
+        del sys.modules["torch_npu"]

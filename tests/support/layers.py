@@ -139,14 +139,6 @@ def smooth_vector(k: int, seed: int = 1) -> torch.Tensor:
 # ----------------------------------------------------------------------------- the tiny Wan2.2 model
 
 
-@pytest.fixture(scope="module")
-def tiny_dir():
-    """The tiny Wan2.2 model (2 blocks), built once per module."""
-    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
-
-    return build_tiny_wan(2)
-
-
 def build_expert(env, model_dir, spec, sub="transformer"):
     """vLLM-Omni's Wan2.2 transformer ``sub`` built by its factory, its layer names checked as the
     engine checks each component of the pipeline it builds (``vllm_omni_mxfp4.hooks.build``), and

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .metrics import cosine
+
 ROOT = Path(__file__).resolve().parents[2]
 TABLE_TOOL = ROOT / "tools" / "model_table.py"
 
@@ -76,11 +78,6 @@ class Case:
     @property
     def cls(self):
         return getattr(importlib.import_module(self.module), self.key.split(".")[1])
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.flatten().double(), b.flatten().double()
-    return (a @ b / (a.norm() * b.norm())).item()
 
 
 def randn(*shape, seed=0, scale=1.0):

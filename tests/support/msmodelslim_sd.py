@@ -104,12 +104,6 @@ def deployed_weight(module: torch.nn.Module) -> torch.Tensor:
     return seen["weight"]
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Cosine similarity of two outputs, in float64."""
-    a, b = a.flatten().double(), b.flatten().double()
-    return (a @ b / (a.norm() * b.norm())).item()
-
-
 def build_engine_transformer(env, pipeline_dir: Path, cls: type) -> torch.nn.Module:
     """vLLM-Omni's transformer ``cls`` as its pipelines build it (the constructor arguments from
     ``transformer/config.json``, the quantization config vLLM-Omni builds from its
