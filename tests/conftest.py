@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_dir():
     """The tiny two-expert Wan2.2 pipeline (2 blocks per expert) from the default cache."""
-    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
+    from vllm_omni_mxfp4_tiny import build_tiny_wan
 
     return build_tiny_wan(2)
 

@@ -148,6 +148,47 @@ def test_no_test_module_is_imported_from_another_folder() -> None:
     )
 
 
+# --- tests mirror the package; the harness is not the demo ---------------------------------------
+
+#: Test folders that are not named after a subpackage of vllm_omni_mxfp4, and what they test.
+OTHER_TEST_FOLDERS = {
+    "support": "shared helpers",
+    "demo": "the demo distribution (the demo program and its harness, vllm_omni_mxfp4_tiny)",
+    "docs": "the documentation's commands, tables and messages",
+    "examples": "examples/",
+    "models": "every vLLM-Omni model family through the package (the model table)",
+}
+DEMO_PROGRAM = "vllm_omni_mxfp4_demo"
+HARNESS = ROOT / "examples" / "demo" / "vllm_omni_mxfp4_tiny"
+
+
+def test_every_test_folder_is_a_subpackage_or_says_what_it_tests() -> None:
+    parts = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    strays = sorted(folders - parts - set(OTHER_TEST_FOLDERS))
+    assert not strays, f"tests/{strays}: name a test folder after the subpackage it tests ({sorted(parts)})"
+
+
+def demo_program_imports(paths: list[Path]) -> list[str]:
+    """``file:line imports MODULE`` for each import of the demo program among ``paths``."""
+    return sorted(
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in paths
+        for line, module in imported_modules(path, ROOT)
+        if _within(module, DEMO_PROGRAM)
+    )
+
+
+def test_only_the_demos_tests_import_the_demo_program() -> None:
+    paths = [p for p in sorted(TESTS.rglob("*.py")) if p.relative_to(TESTS).parts[0] != "demo"]
+    paths += sorted(HARNESS.rglob("*.py"))  # the harness is what the demo and the tests share
+    problems = demo_program_imports(paths)
+    assert not problems, (
+        "the tests and the harness take tiny models, the engine job and the runner from "
+        "vllm_omni_mxfp4_tiny, never from the demo program:\n" + "\n".join(problems)
+    )
+
+
 # --- function length -------------------------------------------------------------------------------
 
 

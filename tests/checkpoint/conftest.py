@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vllm_omni_mxfp4.checkpoint import MergeReport, merge
-from vllm_omni_mxfp4_demo.tiny import tiny_transformer_config
+from vllm_omni_mxfp4_tiny import tiny_transformer_config
 
 from .producer import (
     NON_BLOCK_EXCLUDES,
@@ -181,7 +181,7 @@ def recipe_pipeline(tmp_path_factory) -> tuple[Path, dict[str, dict[str, torch.T
 
 def _recipe(recipe: str, pipeline) -> RecipeScenario:
     pytest.importorskip("msmodelslim")
-    from vllm_omni_mxfp4_demo.tiny.msmodelslim_recipes import cached_recipe_export
+    from vllm_omni_mxfp4_tiny.msmodelslim_recipes import cached_recipe_export
 
     original, states = pipeline
     quant, linears = cached_recipe_export(recipe, original)

@@ -2,7 +2,7 @@
 
 The BF16 original is a diffusers pipeline directory (``WanTransformer3DModel`` per expert plus small
 stand-in components). msModelSlim quantizes it through
-:mod:`vllm_omni_mxfp4_demo.tiny.msmodelslim_export` (msModelSlim's own Smooth, quantizer and savers on
+:mod:`vllm_omni_mxfp4_tiny.msmodelslim_export` (msModelSlim's own Smooth, quantizer and savers on
 the original Wan module tree); this module only fixes the tiny config, builds the pipeline and binds
 the exporter to that config. The exporter's diffusers -> original renames are regular expressions
 written independently of ``vllm_omni_mxfp4.models.names``, so a wrong table there cannot be
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from vllm_omni_mxfp4_demo.tiny import msmodelslim_export as exporter
-from vllm_omni_mxfp4_demo.tiny import tiny_transformer_config
-from vllm_omni_mxfp4_demo.tiny.msmodelslim_export import (
+from vllm_omni_mxfp4_tiny import msmodelslim_export as exporter
+from vllm_omni_mxfp4_tiny import tiny_transformer_config
+from vllm_omni_mxfp4_tiny.msmodelslim_export import (
     NON_BLOCK_EXCLUDES,
     ExpertSpec,
     LayerReference,

@@ -170,7 +170,7 @@ def test_natural_order():
 def test_every_diffusers_wan_tensor_round_trips():
     """All tensors of diffusers' own WanTransformer3DModel (with the I2V image embedder) are in the table."""
     diffusers = pytest.importorskip("diffusers")
-    from vllm_omni_mxfp4_demo.tiny import tiny_transformer_config
+    from vllm_omni_mxfp4_tiny import tiny_transformer_config
 
     config = tiny_transformer_config(image_dim=8, added_kv_proj_dim=512, pos_embed_seq_len=4)
     model = diffusers.WanTransformer3DModel(**config)

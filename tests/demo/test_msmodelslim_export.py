@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from vllm_omni_mxfp4_demo.tiny import msmodelslim_export as exporter
+from vllm_omni_mxfp4_tiny import msmodelslim_export as exporter
 
 
 @pytest.mark.parametrize(

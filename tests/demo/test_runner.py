@@ -15,8 +15,8 @@ import time
 import psutil
 import pytest
 
-from vllm_omni_mxfp4_demo import engine_job
-from vllm_omni_mxfp4_demo.runner import RunFailed, reap_group, run_bounded
+from vllm_omni_mxfp4_tiny import engine_job
+from vllm_omni_mxfp4_tiny.runner import RunFailed, reap_group, run_bounded
 
 # Starts a child in the same process group that outlives this process unless the group is ended.
 SPAWN_CHILD = textwrap.dedent(
@@ -79,4 +79,4 @@ def test_reap_group_ends_a_running_leader(tmp_path):
 
 def test_engine_job_usage(capsys):
     assert engine_job.main([]) == 2
-    assert "usage: python -m vllm_omni_mxfp4_demo.engine_job JOB.json" in capsys.readouterr().err
+    assert "usage: python -m vllm_omni_mxfp4_tiny.engine_job JOB.json" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni_mxfp4_demo.tiny import cache, parts
+from vllm_omni_mxfp4_tiny import cache, parts
 
 TEXT = "<|im_start|>user\na red bird<|im_end|>\n"
 

@@ -1,9 +1,9 @@
-"""The demo's general plugin :mod:`vllm_omni_mxfp4_demo.z_image_config`: vLLM-Omni's ``ZImagePipeline``
+"""The demo's general plugin :mod:`vllm_omni_mxfp4_tiny.z_image_config`: vLLM-Omni's ``ZImagePipeline``
 builds its transformer from ``transformer/config.json`` with it, and still ignores that file
 without it (the watch that fails once upstream reads the config itself: then drop the plugin).
 
 The pipelines are built for real in this process from the tiny Z-Image pipeline
-(:mod:`vllm_omni_mxfp4_demo.tiny.z_image`); only upstream's unfixed build of the default 6B
+(:mod:`vllm_omni_mxfp4_tiny.z_image`); only upstream's unfixed build of the default 6B
 transformer is made on the meta device (12 GB of BF16 weights otherwise).
 """
 
@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from tests.platform.omni_procs import omni_installed
-from vllm_omni_mxfp4_demo import z_image_config
-from vllm_omni_mxfp4_demo.tiny import z_image
+from vllm_omni_mxfp4_tiny import z_image, z_image_config
 
 pytestmark = [
     pytest.mark.omni,
@@ -47,7 +46,7 @@ def _pipeline(model, init=None):
 
 def test_registered_as_a_general_plugin_of_the_demo():
     values = {e.name: e.value for e in entry_points(group="vllm_omni.general_plugins")}
-    assert values.get("z_image_transformer_config") == "vllm_omni_mxfp4_demo.z_image_config:install"
+    assert values.get("z_image_transformer_config") == "vllm_omni_mxfp4_tiny.z_image_config:install"
 
 
 def test_install_is_idempotent():
@@ -120,7 +119,7 @@ def test_pipeline_builds_the_configs_transformer(vllm_env, tiny_model, caplog):
 
 def test_upstream_still_ignores_the_config(vllm_env, tiny_model, monkeypatch):
     """Without the plugin, vLLM-Omni builds the default 6B transformer whatever config.json says;
-    once this fails, upstream reads the config: drop vllm_omni_mxfp4_demo/z_image_config.py and
+    once this fails, upstream reads the config: drop vllm_omni_mxfp4_tiny/z_image_config.py and
     its entry point in examples/demo/pyproject.toml."""
     from vllm_omni.diffusion.models.z_image import pipeline_z_image
 

@@ -153,7 +153,7 @@ def test_no_quantization_flag_means_auto_detection(example):
 @pytest.mark.skipif(not omni_installed(), reason="vllm / vllm-omni not installed")
 def test_example_end_to_end_on_the_tiny_model(tmp_path):
     """Per-expert config from a file; the printed methods match the layers the trace saw running."""
-    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
+    from vllm_omni_mxfp4_tiny import build_tiny_wan
 
     config = {
         "transformer": {"method": "mxfp4", "w4a8_fallback_steps": [0]},

@@ -1,6 +1,6 @@
 """The engine tests' subprocess helpers: the demo's runner, plus the test environment for its commands.
 
-Bounded runs and process-group reaping are :mod:`vllm_omni_mxfp4_demo.runner`'s, the one reaper of
+Bounded runs and process-group reaping are :mod:`vllm_omni_mxfp4_tiny.runner`'s, the one reaper of
 the project (the demo runs its engines through it too); this module adds what only the tests need:
 whether the engines are installed, and the environment a test subprocess gets.
 """
@@ -14,8 +14,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from vllm_omni_mxfp4_demo.engine_job import Job
-from vllm_omni_mxfp4_demo.runner import RunFailed, log_tail, reap_group, run_bounded, run_engine_job
+from vllm_omni_mxfp4_tiny.engine_job import Job
+from vllm_omni_mxfp4_tiny.runner import RunFailed, log_tail, reap_group, run_bounded, run_engine_job
 
 __all__ = [
     "TESTS_DIR",

@@ -1,6 +1,6 @@
 """``Omni(model=<tiny Wan2.2>)`` generating on the CPU platform: TP=1 BF16, quantized, and TP=2 over gloo.
 
-Each engine runs in its own subprocess (the demo's engine job, ``vllm_omni_mxfp4_demo.engine_job``)
+Each engine runs in its own subprocess (the demo's engine job, ``vllm_omni_mxfp4_tiny.engine_job``)
 under a deadline, and its whole process group is reaped afterwards; a run that leaves processes
 behind fails. One engine serves several requests, so the BF16 run below is shared by the tests of
 this module, and with the other files that compare against it (``tests/support/engine_runs.py``).

@@ -12,7 +12,7 @@ from omni_procs import omni_installed
 from safetensors.torch import load_file
 
 from vllm_omni_mxfp4 import envs
-from vllm_omni_mxfp4_demo.tiny import wan as tiny_wan
+from vllm_omni_mxfp4_tiny import wan as tiny_wan
 
 BLOCK_LINEARS = (
     "attn1.to_q",

@@ -1,6 +1,6 @@
 """Engine runs that several test files need, run once per test run and shared, keyed by their content.
 
-An engine job (:class:`~vllm_omni_mxfp4_demo.engine_job.Job`) gives the same frames and report
+An engine job (:class:`~vllm_omni_mxfp4_tiny.engine_job.Job`) gives the same frames and report
 whenever it is run with the same model files, engine arguments, requests and environment: the BF16
 reference of the tiny Wan2.2 pipeline, say, or one NVFP4 pipeline served with ``mxfp4``, which
 several test files compare against. :meth:`SharedRuns.run` runs such a job the first time it is
@@ -51,7 +51,7 @@ def model_digest(model: Path) -> str:
 
 def job_key(job: Job, env: dict[str, str], trace: bool) -> str:
     """What decides a job's output: its fields (the model by content), the extra environment, tracing."""
-    from vllm_omni_mxfp4_demo.engine_job import model_boundary_ratio
+    from vllm_omni_mxfp4_tiny.engine_job import model_boundary_ratio
 
     fields = {**dataclasses.asdict(job), "model": model_digest(Path(job.model)), "out": None}
     if job.boundary_ratio is None:  # what the engine gets then (engine_job.engine_kwargs)
@@ -109,12 +109,12 @@ def wan_bf16_job(model: Path) -> Job:
     """The BF16 reference of the tiny two-expert Wan2.2 (``model``): one engine, three requests (seed
     0, seed 0 again, seed 1) of the job's default request, the engine's report on. Run traced, it is
     what tests/platform/test_omni_engine.py, tests/omni/test_omni_e2e.py and
-    tests/nvfp4/test_online_e2e.py compare their engines' frames against."""
+    tests/hooks/test_nvfp4_e2e.py compare their engines' frames against."""
     return Job(str(model), "", seeds=[0, 0, 1], boundary_ratio=0.875, report=True)
 
 
 def nvfp4_served_job(model: Path) -> Job:
     """An NVFP4 pipeline (``model``) served with ``quantization="mxfp4"`` (requantized while it
     loads), one request of the job's default request, the engine's report on: what
-    tests/nvfp4/test_online_e2e.py checks and tests/nvfp4/test_convert_e2e.py compares with."""
+    tests/hooks/test_nvfp4_e2e.py checks and tests/convert/test_convert_e2e.py compares with."""
     return Job(str(model), "", omni_kwargs={"quantization": "mxfp4"}, report=True)

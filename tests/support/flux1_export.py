@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_omni_mxfp4_demo.tiny.flux import TRANSFORMER_CONFIG
+from vllm_omni_mxfp4_tiny.flux import TRANSFORMER_CONFIG
 
 from . import msmodelslim_sd
 

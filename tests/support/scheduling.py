@@ -30,18 +30,18 @@ LONGEST = (
     "tests/checkpoint/",
     "tests/models/",
     "tests/omni/test_omni_e2e.py",  # before the other users of the shared BF16 run
-    "tests/omni/test_omni_names_e2e.py",
+    "tests/hooks/test_omni_names_e2e.py",
     "tests/platform/test_serve_component_configs.py",
     "tests/omni/test_wan_tp2.py",
     "tests/omni/test_tensor_parallel.py",
     "tests/platform/test_omni_engine.py",
     "doc:python bench/requant.py --load",
     "doc:python -m vllm_omni_mxfp4_demo.models",
-    "tests/nvfp4/test_online_e2e.py",
+    "tests/hooks/test_nvfp4_e2e.py",
     "tests/demo/test_demo_e2e.py",
-    "tests/nvfp4/test_online_models.py",
+    "tests/hooks/test_nvfp4_models.py",
     "doc:README.md#merge",
-    "tests/nvfp4/test_convert_e2e.py",
+    "tests/convert/test_convert_e2e.py",
     "doc:python bench/linear.py",
     "doc:README.md#serve",
     "doc:docs/user_guide.md#validate",
@@ -49,7 +49,7 @@ LONGEST = (
     "doc:from vllm_omni import Omni",  # README's Omni(...) example
     "tests/examples/test_text_to_video.py",
     "doc:docs/user_guide.md#w4a8-serve",
-    "tests/nvfp4/test_online_tp2.py",
+    "tests/hooks/test_nvfp4_tp2.py",
     "tests/docs/test_doc_blocks.py",
 )
 

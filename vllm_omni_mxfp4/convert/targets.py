@@ -6,7 +6,7 @@ runtime Linear (Wan's ``attn1.to_qkv``, FLUX.2's ``attn.to_qkv`` / ``attn.add_kv
 MXFP4 or all BF16. ``ignored_layers`` holds runtime names.
 
 Wan2.2 and FLUX.2 (whose Comfy/BFL files are renamed to diffusers names first) have the fixed
-tables below, which need no vLLM-Omni at convert time (tests/nvfp4/test_convert_models.py checks
+tables below, which need no vLLM-Omni at convert time (tests/convert/test_convert_models.py checks
 them against the class). Every other class gets its answers from vLLM-Omni's class itself, as the
 merge does (:func:`derived_target`: :func:`vllm_omni_mxfp4.models.derive_names` builds it on the
 meta device and traces its ``load_weights``), and a tensor that class does not load is refused.

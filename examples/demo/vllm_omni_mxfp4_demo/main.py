@@ -4,13 +4,13 @@
     python -m vllm_omni_mxfp4_demo --model /path/to/Wan2.2-T2V-A14B-Diffusers [--quant-path EXPORT]
 
 Without ``--model`` it builds the embedded tiny two-expert Wan2.2 text-to-video pipeline (random
-weights, seconds on a CPU; :mod:`vllm_omni_mxfp4_demo.tiny`), then:
+weights, seconds on a CPU; :mod:`vllm_omni_mxfp4_tiny`), then:
 
 1. quantizes it offline with msModelSlim and merges the export into a diffusers checkpoint
    (:mod:`vllm_omni_mxfp4_demo.offline`);
 2. generates the same prompt and seed through ``vllm_omni.Omni`` once per mode
    (:data:`~vllm_omni_mxfp4_demo.modes.MODES`), each engine in a process of its own
-   (:mod:`vllm_omni_mxfp4_demo.engine_job`, run by :mod:`vllm_omni_mxfp4_demo.runner`);
+   (:mod:`vllm_omni_mxfp4_tiny.engine_job`, run by :mod:`vllm_omni_mxfp4_tiny.runner`);
 3. prints a table — PSNR and cosine similarity of the frames against BF16, the transformers' weight
    bytes in memory, engine start and generation time — and writes one video per mode, a PNG strip of
    frames of every mode, and the numbers as JSON and Markdown (:mod:`vllm_omni_mxfp4_demo.report`).
@@ -35,12 +35,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from vllm_omni_mxfp4_tiny.engine_job import Job, model_boundary_ratio
+from vllm_omni_mxfp4_tiny.runner import RunFailed, run_engine_job
+
 from . import nvfp4_quality, report
-from .engine_job import Job, model_boundary_ratio
 from .media import video_frames
 from .modes import MODEL_DEFAULTS, PROG, TINY_DEFAULTS, Mode, build_parser, parallel_kwargs
 from .offline import SAME_CHECKPOINT, offline_checkpoint, recipe_checkpoint
-from .runner import RunFailed, run_engine_job
 
 
 class Progress:
@@ -78,7 +79,7 @@ def _error(message: str) -> int:
 def _model(args: argparse.Namespace, progress: Progress) -> Path | int:
     """The pipeline directory to run (the tiny one, built on first use), or exit status 2."""
     if args.model is None:
-        from .tiny import build_tiny_wan
+        from vllm_omni_mxfp4_tiny import build_tiny_wan
 
         if args.quant_path is not None:
             progress.say("--quant-path ignored: without --model the demo quantizes the tiny model itself")

@@ -3,11 +3,11 @@
     python -m vllm_omni_mxfp4_demo.models [--families wan22_t2v_a14b,flux1_dev,...]
         [--modes bf16,mxfp4,dualscale] [--steps 2] [--out outputs/models] [--json PATH]
 
-For each family of :data:`FAMILIES` it builds the tiny pipeline (:mod:`vllm_omni_mxfp4_demo.tiny`,
+For each family of :data:`FAMILIES` it builds the tiny pipeline (:mod:`vllm_omni_mxfp4_tiny`,
 cached), then generates one prompt and seed through vLLM-Omni's own pipeline class for that model
 once per mode — BF16 (the reference), ``mxfp4`` and ``mxfp4_dualscale`` online, as the demo's
 :data:`~vllm_omni_mxfp4_demo.modes.MODES` define them — each engine in a process of its own
-(:func:`~vllm_omni_mxfp4_demo.runner.run_engine_job`). It prints PSNR and cosine similarity of each
+(:func:`~vllm_omni_mxfp4_tiny.runner.run_engine_job`). It prints PSNR and cosine similarity of each
 quantized output against BF16 and how many of each transformer's Linears ran each method (read from
 the running engine), and writes the numbers as JSON (``<out>/models_e2e.json``, or ``--json``;
 ``docs/models_e2e.json`` is the copy the docs and the model table read).
@@ -31,10 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni_mxfp4_tiny.engine_job import Job
+from vllm_omni_mxfp4_tiny.runner import run_engine_job
+
 from . import metrics
-from .engine_job import Job
 from .modes import MODES, Mode
-from .runner import run_engine_job
 
 PROG = "python -m vllm_omni_mxfp4_demo.models"
 DEFAULT_OUT = "outputs/models"
@@ -45,7 +46,7 @@ SEED = 0
 
 def _wan(experts: int) -> Callable[[], Path]:
     def build() -> Path:
-        from .tiny.wan import build_tiny_wan
+        from vllm_omni_mxfp4_tiny.wan import build_tiny_wan
 
         return build_tiny_wan(experts)
 
@@ -54,7 +55,7 @@ def _wan(experts: int) -> Callable[[], Path]:
 
 def _variant(name: str) -> Callable[[], Path]:
     def build() -> Path:
-        from .tiny.wan import build_tiny_wan_variant
+        from vllm_omni_mxfp4_tiny.wan import build_tiny_wan_variant
 
         return build_tiny_wan_variant(name)
 
@@ -160,7 +161,7 @@ def run_family(
     Each mode's record: PSNR and cosine of its output against BF16, the Linears' methods per
     transformer, engine start and generation seconds. ``env``: the engines' environment (default
     this process'). Raises
-    :class:`~vllm_omni_mxfp4_demo.runner.RunFailed` when an engine fails.
+    :class:`~vllm_omni_mxfp4_tiny.runner.RunFailed` when an engine fails.
     """
     if family.unsupported is not None:
         return {"title": family.title, "unsupported": family.unsupported}

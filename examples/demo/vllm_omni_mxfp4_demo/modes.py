@@ -26,7 +26,7 @@ MODEL_DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "steps": 40}
 class Mode:
     """A way to run the model: a name, what it means, and its ``Omni(...)`` arguments; ``offline``
     runs the merged export of the demo's own recipe, ``recipe`` the merged export of one of
-    msModelSlim's shipped recipes (:data:`vllm_omni_mxfp4_demo.tiny.msmodelslim_recipes.RECIPES`)."""
+    msModelSlim's shipped recipes (:data:`vllm_omni_mxfp4_tiny.msmodelslim_recipes.RECIPES`)."""
 
     name: str
     description: str

@@ -59,7 +59,7 @@ def tiny_transformer() -> torch.nn.Module:
     """The demo's tiny Wan2.2 transformer (its config, seeded BF16 weights), in float32 for the math."""
     from diffusers import WanTransformer3DModel
 
-    from .tiny.wan import tiny_transformer_config
+    from vllm_omni_mxfp4_tiny.wan import tiny_transformer_config
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)

@@ -1,13 +1,13 @@
 """The demo's offline step: an msModelSlim export of the model, merged into a diffusers checkpoint.
 
 Without an export of its own (the tiny model), the demo makes one with msModelSlim on the CPU
-(:func:`vllm_omni_mxfp4_demo.tiny.msmodelslim_export.export_pipeline`: its own Smooth,
+(:func:`vllm_omni_mxfp4_tiny.msmodelslim_export.export_pipeline`: its own Smooth,
 W4A4_MXFP4_DUALSCALE quantizer and MindIE saver; some layers stay FLOAT, every quantized one gets a
 Smooth factor). The merge is the runtime package's :func:`vllm_omni_mxfp4.checkpoint.merge`, what
 ``vllm-omni-mxfp4 merge`` runs.
 
 The recipe modes run one of msModelSlim's shipped Wan2.2 recipes unedited on the model
-(:mod:`vllm_omni_mxfp4_demo.tiny.msmodelslim_recipes`, cached by content: a later demo reuses the
+(:mod:`vllm_omni_mxfp4_tiny.msmodelslim_recipes`, cached by content: a later demo reuses the
 export) and merge it with the W8A8 MXFP8 layers kept. w4a4f8's ``linear_quant`` steps are w4a4f4's
 (its weight files are byte-identical; ``tests/checkpoint/test_recipes.py``), and the FA3 records that
 tell them apart are left out of a merged checkpoint, so both modes run the one w4a4f4 checkpoint
@@ -26,7 +26,7 @@ from vllm_omni_mxfp4.checkpoint import merge
 
 def export(model: Path, out: Path, say: Callable[[str], None]) -> Path:
     """A fresh msModelSlim export of ``model`` under ``out``."""
-    from .tiny.msmodelslim_export import export_pipeline
+    from vllm_omni_mxfp4_tiny.msmodelslim_export import export_pipeline
 
     quant_path = out / "msmodelslim-export"
     if quant_path.exists():
@@ -63,7 +63,7 @@ SAME_CHECKPOINT = {"w4a4f8": "w4a4f4"}
 
 def recipe_checkpoint(model: Path, recipe: str, out: Path, say: Callable[[str], None]) -> Path:
     """``model`` quantized with msModelSlim's shipped Wan2.2 recipe ``recipe`` and merged under ``out``."""
-    from .tiny.msmodelslim_recipes import RECIPES, cached_recipe_export
+    from vllm_omni_mxfp4_tiny.msmodelslim_recipes import RECIPES, cached_recipe_export
 
     start = time.perf_counter()
     say(f"msModelSlim: recipe {RECIPES[recipe]} (cached after its first run)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.nvfp4.checkpoints import fixture_tensors, reference_mxfp4, reference_values
+from tests.support.nvfp4.checkpoints import fixture_tensors, reference_mxfp4, reference_values
 from tests.support.tp_ranks import run_ranks
 
 pytestmark = [pytest.mark.omni, pytest.mark.slow]
@@ -21,7 +21,7 @@ def _rank_run(rank: int, world: int, env, fixture: str, tmp: str):
     """One rank: its MXFP4 tensors of :data:`SHOWN` and the expert's output (sent by value)."""
     from pathlib import Path
 
-    from tests.nvfp4.checkpoints import build_via_pipeline, model_dir_with
+    from tests.support.nvfp4.checkpoints import build_via_pipeline, model_dir_with
 
     model = build_via_pipeline(env, model_dir_with(Path(tmp) / f"rank{rank}", fixture), {"method": "mxfp4"})
     layers = {name: model.get_submodule(name) for name in SHOWN}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.nvfp4.checkpoints import write_checkpoint
-from tests.nvfp4.producers.comfy import comfy_layer
+from tests.support.nvfp4.checkpoints import write_checkpoint
+from tests.support.nvfp4.producers.comfy import comfy_layer
 from vllm_omni_mxfp4.formats.nvfp4 import dequantize_nvfp4
 from vllm_omni_mxfp4.sources.nvfp4 import SourceError, detect_nvfp4, load_nvfp4_weight
 

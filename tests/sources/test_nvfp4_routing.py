@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.nvfp4.checkpoints import MODELOPT_FIXTURES
+from tests.support.nvfp4.checkpoints import MODELOPT_FIXTURES
 from vllm_omni_mxfp4.config import LayerRoute, Mxfp4Config, Precision
 from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight, dequantize_nvfp4
 from vllm_omni_mxfp4.sources.nvfp4 import detect_nvfp4

@@ -69,7 +69,7 @@ def test_names_that_match_nothing_stop_the_engine(tiny_dir, tmp_path, config, me
 def test_an_expert_the_pipeline_does_not_have_stops_the_engine(tmp_path):
     """The A14B per-expert config copied to a single-expert model (TI2V-5B-like): transformer_2 names
     nothing there, and would silently configure nothing; the engine stops naming it."""
-    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
+    from vllm_omni_mxfp4_tiny import build_tiny_wan
 
     model = build_tiny_wan(1)
     config = {"transformer": "mxfp4", "transformer_2": "mxfp4"}

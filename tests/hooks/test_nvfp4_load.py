@@ -1,7 +1,7 @@
 """NVFP4 checkpoints loaded with ``mxfp4``: vLLM-Omni's own Wan2.2 expert, built through the T2V
 pipeline's ``_create_transformer`` and loaded by its own loader, from ModelOpt's exports.
 
-Expected bytes come from the independent reference (``tests/nvfp4/reference.py``, scalar Python on
+Expected bytes come from the independent reference (``tests/support/nvfp4/reference.py``, scalar Python on
 the stored tensors); the online model is also compared with the offline ``mxfp4`` checkpoint of the
 same bytes (bit for bit) and with the BF16 model of the exact dequant (cosine).
 """
@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.nvfp4.checkpoints import (
+from tests.support.layers import build_expert
+from tests.support.nvfp4.checkpoints import (
     build_via_pipeline,
     fixture_tensors,
     model_dir_with,
@@ -22,7 +23,6 @@ from tests.nvfp4.checkpoints import (
     reference_values,
     variant,
 )
-from tests.support.layers import build_expert
 from vllm_omni_mxfp4.config import Precision
 
 pytestmark = pytest.mark.omni
@@ -258,8 +258,8 @@ def test_start_up_keeps_an_nvfp4_config_vllm_omni_cannot_build(vllm_env):
     W4A16_NVFP4 to its FP8 config when the engine starts."""
     from vllm_omni.diffusion.data import TransformerConfig
 
-    from tests.nvfp4.checkpoints import MODELOPT_FIXTURES
-    from tests.nvfp4.producers.compressed import ct_config
+    from tests.support.nvfp4.checkpoints import MODELOPT_FIXTURES
+    from tests.support.nvfp4.producers.compressed import ct_config
 
     config = TransformerConfig.from_dict({"num_layers": 1, "quantization_config": ct_config(["proj_out"])})
     assert config.quant_config is None and config.quant_method == "compressed-tensors"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.nvfp4.producers.comfy import comfy_layer
+from tests.support.nvfp4.producers.comfy import comfy_layer
 from vllm_omni_mxfp4.convert import convert
 from vllm_omni_mxfp4.convert.tensors import rows_of
 from vllm_omni_mxfp4.formats.requant import requantize_nvfp4

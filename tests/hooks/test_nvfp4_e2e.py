@@ -2,7 +2,7 @@
 the CPU platform (subprocess engines, each bounded in its own process group).
 
 The pipeline is the demo's tiny two-expert Wan2.2 with both experts' block Linears packed to NVFP4
-by compressed-tensors itself (:func:`tests.nvfp4.checkpoints.nvfp4_pipeline`). The served run and its
+by compressed-tensors itself (:func:`tests.support.nvfp4.checkpoints.nvfp4_pipeline`). The served run and its
 BF16 reference are the engine runs shared with other files (``tests/support/engine_runs.py``).
 """
 
@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.nvfp4.checkpoints import nvfp4_pipeline
 from tests.platform.omni_procs import (
     Job,
     RunFailed,
@@ -30,6 +29,7 @@ from tests.platform.omni_procs import (
 )
 from tests.support.engine_runs import nvfp4_served_job, wan_bf16_job
 from tests.support.metrics import cosine
+from tests.support.nvfp4.checkpoints import nvfp4_pipeline
 from tests.support.ports import free_port
 
 pytestmark = [

@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.nvfp4.checkpoints import MODELOPT_FIXTURES, dequantized_copy, pack_component
 from tests.support import flux1_export, msmodelslim_sd
 from tests.support.metrics import cosine
+from tests.support.nvfp4.checkpoints import MODELOPT_FIXTURES, dequantized_copy, pack_component
 from vllm_omni_mxfp4.checkpoint import CheckpointError
 from vllm_omni_mxfp4.convert import convert
 from vllm_omni_mxfp4.convert.targets import TARGETS

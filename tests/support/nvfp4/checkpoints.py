@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.nvfp4 import reference
+from tests.support.nvfp4 import reference
 from vllm_omni_mxfp4.formats.nvfp4 import dequantize_nvfp4
 from vllm_omni_mxfp4.sources.nvfp4 import detect_nvfp4, load_nvfp4_weight
 
@@ -91,7 +91,7 @@ def build_via_pipeline(env: Any, model_dir: Path, spec: Any, sub: str = "transfo
 
 def reference_values(tensors: dict[str, torch.Tensor], layer: str) -> np.ndarray:
     """float32 ``(N, K)`` exact dequant (``fl(q * s * g)``) of a stored, row-major NVFP4 layer, element
-    by element with :mod:`tests.nvfp4.reference` (no code of the package)."""
+    by element with :mod:`tests.support.nvfp4.reference` (no code of the package)."""
     codes = tensors[f"{layer}.weight"].numpy()
     scales = tensors[f"{layer}.weight_scale"].view(torch.uint8).numpy()
     g = float(tensors[f"{layer}.weight_scale_2"])
@@ -106,7 +106,7 @@ def reference_values(tensors: dict[str, torch.Tensor], layer: str) -> np.ndarray
 
 def reference_mxfp4(values: np.ndarray, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed uint8 ``(N, K/2)`` (low nibble even) and E8M0 ``(N, K/32)`` of float32 ``values``
-    requantized under ``rule`` by :mod:`tests.nvfp4.reference`."""
+    requantized under ``rule`` by :mod:`tests.support.nvfp4.reference`."""
     n, k = values.shape
     codes = np.zeros((n, k), dtype=np.uint8)
     scales = np.zeros((n, k // 32), dtype=np.uint8)
@@ -157,7 +157,7 @@ def nvfp4_pipeline(src: Path, dst: Path) -> Path:
     the condition embedders and ``proj_out`` left in BF16 and listed in ``ignore``."""
     from safetensors.torch import load_file
 
-    from tests.nvfp4.producers.compressed import ct_config, ct_layer
+    from tests.support.nvfp4.producers.compressed import ct_config, ct_layer
 
     shutil.copytree(src, dst)
     for sub in ("transformer", "transformer_2"):
@@ -179,7 +179,7 @@ def nvfp4_pipeline(src: Path, dst: Path) -> Path:
 def pack_component(directory: Path) -> list[str]:
     """Pack every 2-D weight of the component in place with compressed-tensors (its own NVFP4
     packing and config); the packed layer names."""
-    from tests.nvfp4.producers.compressed import ct_config, ct_layer
+    from tests.support.nvfp4.producers.compressed import ct_config, ct_layer
 
     [path] = sorted(directory.glob("*.safetensors"))
     tensors = load_file(str(path))

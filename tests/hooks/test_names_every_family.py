@@ -13,26 +13,26 @@ from tests.support.layers import initialize_pipeline
 
 pytestmark = pytest.mark.omni
 
-#: Each family's tiny pipeline builder (vllm_omni_mxfp4_demo.tiny) and the transformer class it builds.
+#: Each family's tiny pipeline builder (vllm_omni_mxfp4_tiny) and the transformer class it builds.
 FAMILIES = {
-    "wan2_2": ("vllm_omni_mxfp4_demo.tiny.wan", "build_tiny_wan", "WanTransformer3DModel"),
+    "wan2_2": ("vllm_omni_mxfp4_tiny.wan", "build_tiny_wan", "WanTransformer3DModel"),
     "qwen_image": (
-        "vllm_omni_mxfp4_demo.tiny.qwen_image",
+        "vllm_omni_mxfp4_tiny.qwen_image",
         "build_tiny_qwen_image",
         "QwenImageTransformer2DModel",
     ),
-    "flux1": ("vllm_omni_mxfp4_demo.tiny.flux", "build_tiny_flux", "FluxTransformer2DModel"),
+    "flux1": ("vllm_omni_mxfp4_tiny.flux", "build_tiny_flux", "FluxTransformer2DModel"),
     "flux2_klein": (
-        "vllm_omni_mxfp4_demo.tiny.flux2_klein",
+        "vllm_omni_mxfp4_tiny.flux2_klein",
         "build_tiny_flux2_klein",
         "Flux2Transformer2DModel",
     ),
     "hunyuan_video_15": (
-        "vllm_omni_mxfp4_demo.tiny.hunyuan_video",
+        "vllm_omni_mxfp4_tiny.hunyuan_video",
         "build_tiny_hunyuan_video",
         "HunyuanVideo15Transformer3DModel",
     ),
-    "z_image": ("vllm_omni_mxfp4_demo.tiny.z_image", "build_tiny_z_image", "ZImageTransformer2DModel"),
+    "z_image": ("vllm_omni_mxfp4_tiny.z_image", "build_tiny_z_image", "ZImageTransformer2DModel"),
 }
 
 
@@ -51,7 +51,7 @@ def _quantized_prefixes(pipeline) -> list[str]:
 def test_a_misspelt_ignored_layer_stops_the_build_of_every_family(vllm_env, family):
     module, builder, transformer = FAMILIES[family]
     if family == "z_image":
-        importlib.import_module("vllm_omni_mxfp4_demo.z_image_config").install()
+        importlib.import_module("vllm_omni_mxfp4_tiny.z_image_config").install()
     model_dir = getattr(importlib.import_module(module), builder)()
     prefixes = _quantized_prefixes(initialize_pipeline(vllm_env, model_dir, {"method": "mxfp4"}))
     assert prefixes, f"{family}: nothing quantized"

@@ -10,7 +10,7 @@ The pipeline feeds the text encoder's second-last hidden state, so the transform
 :mod:`.flux`'s). The transformer has dim 768 (6 heads of 128): its FFN hidden size
 ``int(dim / 3 * 8)`` is 2048, so every Linear it builds with the quantization config has an even K
 (dim 512 would give 1365 and is refused). vLLM-Omni 0.30 builds this transformer from
-``transformer/config.json`` only with the demo's plugin (:mod:`vllm_omni_mxfp4_demo.z_image_config`).
+``transformer/config.json`` only with the demo's plugin (:mod:`vllm_omni_mxfp4_tiny.z_image_config`).
 Cached under ``tiny_z_image/`` (:mod:`.cache`).
 """
 

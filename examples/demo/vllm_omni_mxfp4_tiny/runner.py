@@ -6,7 +6,7 @@ and :func:`reap_group` ends whatever is left of that group, so a failing or hang
 leaves orphaned workers behind. The demo runs each mode this way, and the engine tests run their
 engines, servers and documentation blocks through the same two functions.
 
-:func:`run_engine_job` runs :mod:`vllm_omni_mxfp4_demo.engine_job` (one ``Omni``, its frames
+:func:`run_engine_job` runs :mod:`vllm_omni_mxfp4_tiny.engine_job` (one ``Omni``, its frames
 saved) as such a command and returns what the job reported.
 """
 
@@ -147,16 +147,16 @@ def run_engine_job(
     env: Mapping[str, str] | None = None,
     allow_leftovers: bool = False,
 ) -> dict[str, Any]:
-    """Run :mod:`~vllm_omni_mxfp4_demo.engine_job` on ``job`` in its own process group.
+    """Run :mod:`~vllm_omni_mxfp4_tiny.engine_job` on ``job`` in its own process group.
 
     ``job.out`` receives ``job.json``, ``engine.log`` and what the job writes (see
-    :mod:`~vllm_omni_mxfp4_demo.engine_job`). Returns the job's ``result.json``; raises
+    :mod:`~vllm_omni_mxfp4_tiny.engine_job`). Returns the job's ``result.json``; raises
     :class:`RunFailed` as :func:`run_bounded` does. ``env`` defaults to this process' environment.
     """
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "job.json").write_text(json.dumps(dataclasses.asdict(job), indent=2))
     env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
-    args = ["-m", "vllm_omni_mxfp4_demo.engine_job", str(out / "job.json")]
+    args = ["-m", "vllm_omni_mxfp4_tiny.engine_job", str(out / "job.json")]
     run_bounded(args, timeout=timeout, env=env, log=out / "engine.log", allow_leftovers=allow_leftovers)
     return json.loads((out / "result.json").read_text())

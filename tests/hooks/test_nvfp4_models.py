@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.nvfp4.checkpoints import pack_component
 from tests.platform.omni_procs import Job, omni_installed, run_engine_job, subprocess_env
 from tests.support import flux1_export
 from tests.support.metrics import cosine
+from tests.support.nvfp4.checkpoints import pack_component
 from vllm_omni_mxfp4.checkpoint import CheckpointError
 from vllm_omni_mxfp4.hooks.nvfp4_loading import plan_nvfp4_expert
 from vllm_omni_mxfp4.omni import build_quant_config
@@ -34,7 +34,7 @@ ENGINE_DEADLINE_S = 500.0
 
 @pytest.fixture(scope="module")
 def bf16_flux() -> Path:
-    from vllm_omni_mxfp4_demo.tiny.flux import build_tiny_flux
+    from vllm_omni_mxfp4_tiny.flux import build_tiny_flux
 
     return build_tiny_flux()
 

@@ -3,7 +3,7 @@
 Checkpoints: the tiny two-block Wan2.2 model (BF16), offline ``mxfp4`` (Smooth on Q/K/V and
 ``ffn.net.2``) and ``mxfp4_dualscale`` checkpoints written from it with the formats core
 (``tests/support/layers.py``), and the ModelOpt NVFP4 exports kept as fixtures in
-``tests/nvfp4/fixtures``. Every bad checkpoint is built from a valid one by one edit, and each test
+``tests/support/nvfp4/fixtures``. Every bad checkpoint is built from a valid one by one edit, and each test
 asserts that the problem names the layer and the tensor. Expected shapes come from the tiny model's
 config (inner dim 512, FFN 1024), the plain ``nn.Linear`` list from the model table, which
 ``tests/models`` measures on a real build.

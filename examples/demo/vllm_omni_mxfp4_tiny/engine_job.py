@@ -1,6 +1,6 @@
 """Run vLLM-Omni's ``Omni`` once and save its frames: the one engine program of the demo and the tests.
 
-    python -m vllm_omni_mxfp4_demo.engine_job JOB.json
+    python -m vllm_omni_mxfp4_tiny.engine_job JOB.json
 
 ``JOB.json`` holds the fields of :class:`Job` (only ``model`` and ``out`` are required). The job
 builds ``Omni(model=..., dtype="bfloat16", **omni_kwargs)``, sends one request per seed through
@@ -16,7 +16,7 @@ that one engine, and writes into ``out``:
   and, with ``report``, ``transformers``: what each transformer of the running engine holds
   (:mod:`vllm_omni_mxfp4.inspection.engine`).
 
-It always runs in a process of its own (:func:`vllm_omni_mxfp4_demo.runner.run_engine_job`), so
+It always runs in a process of its own (:func:`vllm_omni_mxfp4_tiny.runner.run_engine_job`), so
 that every engine starts fresh, its memory is its own, and its worker processes can be reaped.
 """
 
@@ -165,10 +165,10 @@ def run_job(job: Job) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m vllm_omni_mxfp4_demo.engine_job JOB.json``; returns the exit status."""
+    """``python -m vllm_omni_mxfp4_tiny.engine_job JOB.json``; returns the exit status."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m vllm_omni_mxfp4_demo.engine_job JOB.json", file=sys.stderr)
+        print("usage: python -m vllm_omni_mxfp4_tiny.engine_job JOB.json", file=sys.stderr)
         return 2
     run_job(Job.from_dict(json.loads(Path(args[0]).read_text())))
     return 0

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.support.nvfp4.checkpoints import MODELOPT_FIXTURES
 from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight, dequantize_nvfp4
 from vllm_omni_mxfp4.sources.nvfp4 import (
     SourceError,
@@ -18,7 +17,7 @@ from vllm_omni_mxfp4.sources.nvfp4 import (
     unswizzle_scales,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures" / "modelopt"
+FIXTURES = MODELOPT_FIXTURES
 
 
 @pytest.mark.parametrize("rows, cols", [(128, 4), (200, 7), (64, 20), (1, 1), (384, 12)])

@@ -3,8 +3,8 @@ no quantization argument (the MXFP4 layout is auto-detected), and generates exac
 NVFP4 pipeline with load-time requantization generates under the same rule.
 
 The NVFP4 pipeline is the demo's tiny two-expert Wan2.2 with its block Linears packed by
-compressed-tensors itself (:func:`tests.nvfp4.checkpoints.nvfp4_pipeline`); serving it is the run
-that tests/nvfp4/test_online_e2e.py checks too (shared: ``tests/support/engine_runs.py``).
+compressed-tensors itself (:func:`tests.support.nvfp4.checkpoints.nvfp4_pipeline`); serving it is the run
+that tests/hooks/test_nvfp4_e2e.py checks too (shared: ``tests/support/engine_runs.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.nvfp4.checkpoints import nvfp4_pipeline
 from tests.platform.omni_procs import Job, omni_installed, run_engine_job, subprocess_env
 from tests.support.engine_runs import nvfp4_served_job
+from tests.support.nvfp4.checkpoints import nvfp4_pipeline
 from vllm_omni_mxfp4.convert import convert
 
 pytestmark = [

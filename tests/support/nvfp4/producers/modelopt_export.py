@@ -1,4 +1,4 @@
-"""Make the ModelOpt NVFP4 fixtures of tests/nvfp4 with nvidia-modelopt itself, on the CPU.
+"""Make the ModelOpt NVFP4 fixtures of tests/support/nvfp4 with nvidia-modelopt itself, on the CPU.
 
 Not a test: ``nvidia-modelopt`` pins ``setuptools>=80`` and the runtime's vLLM pins
 ``setuptools==77.0.3``, so the two cannot share one environment. Run this script from a separate
@@ -7,7 +7,7 @@ environment that has ``nvidia-modelopt==0.47.0`` on top of the project's package
     python -m venv /tmp/nvfp4-producers
     echo "$PWD/.venv/lib/python3.11/site-packages" > /tmp/nvfp4-producers/lib/python3.11/site-packages/shared.pth
     /tmp/nvfp4-producers/bin/pip install -c requirements/constraints.txt nvidia-modelopt==0.47.0
-    /tmp/nvfp4-producers/bin/python tests/nvfp4/producers/modelopt_export.py tests/nvfp4/fixtures/modelopt
+    /tmp/nvfp4-producers/bin/python tests/support/nvfp4/producers/modelopt_export.py tests/support/nvfp4/fixtures/modelopt
 
 It writes, under the output directory:
 

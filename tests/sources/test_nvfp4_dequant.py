@@ -1,6 +1,6 @@
 """NVFP4 dequantization: exact against an independent reference, bit for bit against each producer.
 
-The producers dequantize themselves: ModelOpt (fixtures it wrote, tests/nvfp4/producers),
+The producers dequantize themselves: ModelOpt (fixtures it wrote, tests/support/nvfp4/producers),
 comfy-kitchen and compressed-tensors (run here). Every producer rounds ``s * g`` first, so they
 are compared with ``order="scale_first"``; the default ``exact`` order is checked against the
 float64 reference. Zeros are compared without their sign (ModelOpt decodes code 8 as +0).
@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.nvfp4 import reference
-from tests.nvfp4.checkpoints import write_checkpoint
-from tests.nvfp4.producers.comfy import comfy_layer, marker_tensor
-from tests.nvfp4.producers.compressed import ct_config, ct_layer
+from tests.support.nvfp4 import reference
+from tests.support.nvfp4.checkpoints import MODELOPT_FIXTURES, write_checkpoint
+from tests.support.nvfp4.producers.comfy import comfy_layer, marker_tensor
+from tests.support.nvfp4.producers.compressed import ct_config, ct_layer
 from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight, dequantize_nvfp4, e4m3_to_float
 from vllm_omni_mxfp4.sources.nvfp4 import detect_nvfp4, load_nvfp4_weight
 
-FIXTURES = Path(__file__).parent / "fixtures" / "modelopt"
+FIXTURES = MODELOPT_FIXTURES
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -42,7 +42,7 @@ def random_weight(n: int, k: int, g: float, seed: int = 0, divides: bool = False
 
 
 def reference_dequant(w: Nvfp4Weight, order: str) -> torch.Tensor:
-    """Element by element with :mod:`tests.nvfp4.reference`."""
+    """Element by element with :mod:`tests.support.nvfp4.reference`."""
     n, k = w.shape
     scales = w.scales.view(torch.uint8).tolist()
     codes = w.codes.tolist()

@@ -3,7 +3,7 @@
 Inputs: ModelOpt's exports of a tiny diffusers Wan2.2 transformer (the committed fixtures: flat
 config, mixed NVFP4/FP8, W4A16, swizzled) and compressed-tensors' packing. Expected values come
 from independent paths: ``quantize_mx`` of the exact float32 dequant (the requantization under
-``floor`` equals it, tests/nvfp4/test_requant.py), the producers' stored bytes, and golden configs.
+``floor`` equals it, tests/formats/test_requant.py), the producers' stored bytes, and golden configs.
 Each refusal starts from a valid input and changes one thing; nothing may be written.
 """
 
@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.nvfp4.producers.compressed import ct_config, ct_layer
+from tests.support.nvfp4.checkpoints import MODELOPT_FIXTURES
+from tests.support.nvfp4.producers.compressed import ct_config, ct_layer
 from vllm_omni_mxfp4 import cli
 from vllm_omni_mxfp4.checkpoint import CheckpointError
 from vllm_omni_mxfp4.convert import convert
@@ -25,7 +26,7 @@ from vllm_omni_mxfp4.formats import quantize_mx
 from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight, dequantize_nvfp4
 from vllm_omni_mxfp4.formats.requant import requantize_nvfp4
 
-FIXTURES = Path(__file__).parent / "fixtures" / "modelopt"
+FIXTURES = MODELOPT_FIXTURES
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 BLOCK_LINEARS = (
     "blocks.0.attn1.to_q",
@@ -269,7 +270,7 @@ def test_nan_block_scale_fails_while_writing_and_leaves_no_output(tmp_path: Path
 
 
 def test_a_class_vllm_omni_does_not_have_is_refused_naming_the_config(tmp_path: Path) -> None:
-    """A class outside the fixed tables is looked up in vLLM-Omni (tests/nvfp4/test_convert_models.py);
+    """A class outside the fixed tables is looked up in vLLM-Omni (tests/convert/test_convert_models.py);
     one vLLM-Omni does not have cannot be served, so nothing is written."""
     source = copy_export(tmp_path)
     config = json.loads((source / "config.json").read_text())

@@ -5,19 +5,19 @@ power-of-two blocks), the layout of ``quantize_mx``, and the error report."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.nvfp4 import reference
+from tests.support.nvfp4 import reference
+from tests.support.nvfp4.checkpoints import MODELOPT_FIXTURES
 from vllm_omni_mxfp4.formats import dequantize_mx, pack_fp4, quantize_mx, unpack_fp4
 from vllm_omni_mxfp4.formats.nvfp4 import Nvfp4Weight, dequantize_nvfp4
 from vllm_omni_mxfp4.formats.requant import REQUANT_RULES
 from vllm_omni_mxfp4.kernels.requant import requantize_nvfp4
 
-FIXTURES = Path(__file__).parent / "fixtures" / "modelopt"
+FIXTURES = MODELOPT_FIXTURES
 RULES = [r for r in REQUANT_RULES if r != "mse"]
 
 

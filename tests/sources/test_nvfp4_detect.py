@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.nvfp4.checkpoints import write_checkpoint
-from tests.nvfp4.producers.comfy import comfy_layer, marker_tensor
-from tests.nvfp4.producers.compressed import ct_config, ct_layer
+from tests.support.nvfp4.checkpoints import MODELOPT_FIXTURES, write_checkpoint
+from tests.support.nvfp4.producers.comfy import comfy_layer, marker_tensor
+from tests.support.nvfp4.producers.compressed import ct_config, ct_layer
 from vllm_omni_mxfp4.formats.nvfp4 import dequantize_nvfp4
 from vllm_omni_mxfp4.sources.nvfp4 import (
     SourceError,
@@ -30,7 +30,7 @@ from vllm_omni_mxfp4.sources.nvfp4 import (
     swap_nibbles,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures" / "modelopt"
+FIXTURES = MODELOPT_FIXTURES
 FFN = "blocks.0.ffn.net.0.proj"
 TO_Q = "blocks.0.attn1.to_q"
 

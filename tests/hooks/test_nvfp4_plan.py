@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.nvfp4.checkpoints import MODELOPT_FIXTURES, fixture_tensors
+from tests.support.nvfp4.checkpoints import MODELOPT_FIXTURES, fixture_tensors
 from vllm_omni_mxfp4.config import LayerRoute, Mxfp4Config, Mxfp4DualScaleConfig, Precision
 from vllm_omni_mxfp4.config.reconcile import nvfp4_source_config
 from vllm_omni_mxfp4.hooks.nvfp4_loading import PLAN_ATTR, Nvfp4Plan, convert_stream
