@@ -160,7 +160,8 @@ def test_mul_scale_must_be_finite_and_positive(expert_copy, tmp_path, bad, shown
         return t
 
     message = (
-        rf"mul_scale 'blocks\.2\.ffn\.2\.div\.mul_scale' holds {shown}.* at \[7\]; expected finite values > 0"
+        rf"mul_scale 'blocks\.2\.ffn\.2\.div\.mul_scale' holds {shown}.* at \[7\]; expected finite values in "
+        r"\[2\^-24, 2\^24\]"
     )
     assert_refused(expert_copy, tmp_path, message, replace("blocks.2.ffn.2.div.mul_scale", poison))
 
