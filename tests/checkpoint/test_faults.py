@@ -288,7 +288,7 @@ def test_index_that_misses_a_shard_tensor(expert_copy, tmp_path):
             lambda t, e: [
                 e.__setitem__(f"{OPROJ}.{leaf}", "W4A4_MXFP4") for leaf in ("weight", "weight_scale")
             ],
-            r"mixes W4A4_MXFP4 and W4A4_MXFP4_DUALSCALE",
+            r"mixes W4A4_MXFP4 \(e\.g\. '[\w.]+'\) and W4A4_MXFP4_DUALSCALE \(e\.g\. '[\w.]+'\)",
         ),
         (
             lambda t, e: e.__setitem__("blocks.0.norm3.weight", "W4A4_MXFP4_DUALSCALE"),
