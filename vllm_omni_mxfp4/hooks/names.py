@@ -28,6 +28,7 @@ import torch
 from ..config import SUPPORTED_METHODS, QuantConfig
 from ..config.keys import METHOD_KEYS
 from ..config.names import STORAGE_RULE, check_component_names, check_model_names, describe_accepted
+from ..config.parse import parse_quantization
 from ..models.build import non_linear_modules
 from ..patching import wrap_once
 from .checkpoint_dir import CheckpointDir
@@ -161,6 +162,13 @@ def _names_our_method(value: object) -> bool:
     return False
 
 
+def _mentions_our_method(spec: Mapping[Any, Any]) -> bool:
+    """Whether a value of ``spec``, or of a dict nested in it, names ``mxfp4`` / ``mxfp4_dualscale``."""
+    return any(
+        _names_our_method(v) or (isinstance(v, Mapping) and _mentions_our_method(v)) for v in spec.values()
+    )
+
+
 def is_our_per_component_dict(spec: Mapping[str, Any]) -> bool:
     """A dict without a method key whose values are method names, dicts or ``null``, one of which
     names ``mxfp4`` / ``mxfp4_dualscale``: per-component, whatever vLLM-Omni's own test says."""
@@ -172,7 +180,22 @@ def is_our_per_component_dict(spec: Mapping[str, Any]) -> bool:
 
 
 def _accepting_our_dicts(original: Any) -> Any:
-    return lambda spec: original(spec) or is_our_per_component_dict(spec)
+    """vLLM-Omni's per-component test, plus ours; a dict without a method key that names one of our
+    methods anywhere is parsed by :func:`~vllm_omni_mxfp4.config.parse.parse_quantization` first, so
+    that a bad entry (a nested, integer or empty value, keys without a method, a non-string or empty
+    component name) is refused naming the component and the key, not with vLLM-Omni's generic
+    "Dict quantization config must have a 'method' ..." or Python's "keywords must be strings"."""
+
+    def run(spec: Any) -> bool:
+        if (
+            isinstance(spec, Mapping)
+            and not any(k in spec for k in METHOD_KEYS)
+            and _mentions_our_method(spec)
+        ):
+            parse_quantization(dict(spec))  # raises with the component and key named
+        return original(spec) or is_our_per_component_dict(spec)
+
+    return run
 
 
 def _checking_resolve(original: Any) -> Any:
