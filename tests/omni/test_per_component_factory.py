@@ -12,7 +12,10 @@ import pytest
 
 pytestmark = pytest.mark.omni
 
-VALID = {"transformer": "mxfp4", "transformer_2": {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0}}
+VALID = {
+    "transformer": "mxfp4",
+    "transformer_2": {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0},
+}
 
 
 def _build(spec):
