@@ -154,12 +154,6 @@ VALUE_RULES: dict[str, ValueRule] = {
             lambda v, xp: ~xp.isfinite(v) | (v < 0),
         ),
         ValueRule(
-            "finite_positive",
-            "finite values > 0",
-            "a Smooth calibration that divided by zero or diverged, or a corrupt file",
-            lambda v, xp: ~xp.isfinite(v) | ~(v > 0),
-        ),
-        ValueRule(
             "smooth",
             f"finite values in [2^-24, 2^24] ({SMOOTH_RANGE[0]:.3g} to {SMOOTH_RANGE[1]:.3g}), the range of "
             "calibrated Smooth factors (spec.SMOOTH_RANGE)",

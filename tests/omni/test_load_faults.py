@@ -132,6 +132,14 @@ OFFLINE_VALUES = {
             r"the first is 1(\.0+\d*)?e\+30 at index \[17\]",
         ],
     ),
+    "smooth_out_of_range_dualscale": (
+        "mxfp4_dualscale",
+        set_value("blocks.1.attn2.to_q.mul_scale", 40, 1e38),  # the largest order of magnitude float32 holds
+        [
+            r"^blocks\.1\.attn2\.to_q\.mul_scale: 1 of \d+ values break the rule 'smooth'",
+            r"the first is (9\.9\d*e\+37|1(\.0+\d*)?e\+38) at index \[40\]",
+        ],
+    ),
     "bias_nan": (
         "mxfp4_dualscale",
         set_value("blocks.1.attn2.to_v.bias", 5, NAN),
@@ -202,7 +210,7 @@ def test_the_value_check_is_one_vectorised_pass():
     weight = torch.randn(1024, 512, dtype=torch.bfloat16)
     for name, t in (
         ("finite", weight),
-        ("finite_positive", weight.abs() + 1),
+        ("smooth", weight.abs() + 1),
         ("e8m0", quantize_mx(weight)[1]),
     ):
         with Ops() as mode:
