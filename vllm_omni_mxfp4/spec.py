@@ -169,6 +169,13 @@ VALUE_RULES: dict[str, ValueRule] = {
             lambda v, xp: ~xp.isfinite(v) | ~(v > 0),
         ),
         ValueRule(
+            "e2m1",
+            "FP4 E2M1 numbers (0, +-0.5, +-1, +-1.5, +-2, +-3, +-4, +-6)",
+            "an ordinary BF16 weight (a layer kept in BF16 but missing from ignored_layers), or values "
+            "not unpacked from E2M1 codes",
+            lambda v, xp: ~xp.isin(xp.abs(v), xp.asarray(E2M1_VALUES, dtype=v.dtype)),
+        ),
+        ValueRule(
             "finite",
             "finite values",
             "a NaN or Inf in the original weights, or a corrupt file",
@@ -231,6 +238,11 @@ SMOOTH_DTYPES = ("F32", "BF16", "F16")
 WEIGHT_FP4 = CheckpointTensor(
     "weight", ("U8",), "(N, K/2)", lambda n, k: (n, k // 2), 1, 2, "any", required=True
 )
+WEIGHT_FP4_NUMERIC = CheckpointTensor(
+    "weight", ("BF16", "F16", "F32"), "(N, K)", lambda n, k: (n, k), 1, 1, "e2m1", required=True
+)
+"""The numeric layout of an FP4 weight: its E2M1 values in a float dtype, unscaled (``merge
+--weight-layout numeric``, and vLLM-Omni's single-scale importer, write BF16). The loader packs it."""
 WEIGHT_FP8 = CheckpointTensor(
     "weight", ("F8_E4M3",), "(N, K)", lambda n, k: (n, k), 1, 1, "e4m3", required=True
 )

@@ -407,6 +407,36 @@ def test_a_smooth_factor_outside_the_calibrated_range_is_named(offline_dirs, tmp
     )
 
 
+def _numeric(data):
+    """The numeric weight layout (``merge --weight-layout numeric``): E2M1 values as BF16 (N, K)."""
+    from vllm_omni_mxfp4.formats import e2m1_decode, unpack_fp4
+
+    for name in [n for n in data if n.endswith(".weight") and data[n].dtype == torch.uint8]:
+        data[name] = e2m1_decode(unpack_fp4(data[name]), torch.bfloat16)
+
+
+def test_the_numeric_weight_layout_is_valid(offline_dirs, tmp_path):
+    """What the merge writes with --weight-layout numeric (and vLLM-Omni's single-scale importer)."""
+    for method in ("mxfp4", "mxfp4_dualscale"):
+        report = inspect_path(checkpoint_variant(offline_dirs[method], tmp_path / method, tensors=_numeric))
+        assert report.ok, report.problems
+
+
+def test_a_numeric_weight_off_the_e2m1_grid_is_named(offline_dirs, tmp_path):
+    name = "blocks.1.attn2.to_k.weight"
+
+    def edit(data):
+        _numeric(data)
+        _set(name, (3, 70), 0.75)(data)  # exact in BF16, between 0.5 and 1
+
+    bad = checkpoint_variant(offline_dirs["mxfp4"], tmp_path / "m", tensors=edit)
+    assert_problem(
+        inspect_path(bad),
+        "blocks.1.attn2.to_k",
+        rf"{re.escape(name)}: holds 0\.75 at \[3, 70\]; expected FP4 E2M1 numbers",
+    )
+
+
 def test_fused_pieces_with_different_smooth_vectors(offline_dirs, tmp_path):
     bad = checkpoint_variant(
         offline_dirs["mxfp4"], tmp_path / "m", tensors=_set("blocks.1.attn1.to_v.mul_scale", 3, 2.0)
