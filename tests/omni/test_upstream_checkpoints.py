@@ -14,7 +14,8 @@ holds the same values, and both load (in-process, through vLLM-Omni's factory an
 (``Omni(...)``, no quantization argument) to the same outputs, bit for bit.
 
 vLLM-Omni 0.30 ships no single-scale importer (``merge_mxfp4_checkpoint.py`` is not in its wheel),
-so only the DualScale script can be run here.
+so only the DualScale script can be run here; the layout that importer writes (numeric FP4, its
+``ignored_layers`` with norms and ``patch_embedding``) is built from our numeric merge and loaded.
 """
 
 from __future__ import annotations
@@ -243,3 +244,104 @@ def test_both_serve_through_omni_to_the_same_frames(merged_twice, tmp_path):
         frames.append(np.load(tmp_path / out / "frames_0.npy"))
     assert np.isfinite(frames[0]).all()
     assert np.array_equal(frames[0], frames[1])
+
+
+# ------------------------------------------------- the layout of vLLM-Omni's single-scale importer
+
+#: Runtime names of Wan's Linears whose checkpoint names differ (fused Q/K/V, ``net_0``, ``to_out``).
+RUNTIME_RENAMES = (
+    (".attn1.to_q", ".attn1.to_qkv"),
+    (".attn1.to_k", ".attn1.to_qkv"),
+    (".attn1.to_v", ".attn1.to_qkv"),
+    (".ffn.net.0.proj", ".ffn.net_0.proj"),
+    (".ffn.net.2", ".ffn.net_2"),
+    (".to_out.0", ".to_out"),
+)
+
+
+def _runtime(module: str) -> str:
+    for old, new in RUNTIME_RENAMES:
+        if module.endswith(old):
+            return module[: -len(old)] + new
+    return module
+
+
+@pytest.fixture(scope="session")
+def single_scale(tmp_path_factory):
+    """(our merge, packed; the importer's layout) of one single-scale msModelSlim export of the tiny
+    pipeline, Smooth on every quantized Linear (the importer takes Smooth on all of an expert's
+    quantized Linears or on none).
+
+    vLLM-Omni 0.30's wheel has no single-scale importer (``merge_mxfp4_checkpoint.py`` of its
+    development branches), so its output is written here from what that tool is documented to write:
+    FP4 values as BF16 ``(N, K)`` with uint8 scales and float32 ``mul_scale`` (our ``numeric``
+    layout), and a ``quantization_config`` whose ``ignored_layers`` lists every weight of the
+    original without a ``weight_scale``: the BF16 Linears, the norms and ``patch_embedding``."""
+    pytest.importorskip("msmodelslim")
+    from vllm_omni_mxfp4.checkpoint import merge
+    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
+    from vllm_omni_mxfp4_demo.tiny.msmodelslim_export import (
+        NON_BLOCK_EXCLUDES,
+        ExpertSpec,
+        all_linears,
+        export_pipeline,
+    )
+
+    specs = {
+        "transformer": ExpertSpec(
+            "single", "mindie", exclude=["*blocks.0.*", *NON_BLOCK_EXCLUDES], smooth=all_linears(1)
+        ),
+        "transformer_2": ExpertSpec(
+            "single",
+            "mindie",
+            exclude=["blocks.1.ffn.2", *NON_BLOCK_EXCLUDES],
+            smooth=[g for b in (0, 1) for g in all_linears(b) if g != ["blocks.1.ffn.2"]],
+        ),
+    }
+    original, root = build_tiny_wan(2), tmp_path_factory.mktemp("single")
+    export_pipeline(original, root / "quant", specs)
+    merge("Wan2.2-T2V-A14B", original, root / "quant", root / "ours")
+    merge("Wan2.2-T2V-A14B", original, root / "quant", root / "importer", weight_layout="numeric")
+    for sub in EXPERTS:
+        tensors = _tensors(root / "importer" / sub)
+        scaled = {n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")}
+        weights = {n.removesuffix(".weight") for n in tensors if n.endswith(".weight")}
+        path = root / "importer" / sub / "config.json"
+        config = json.loads(path.read_text())
+        config["quantization_config"] = {
+            "quant_method": "mxfp4",
+            "is_checkpoint_mxfp4_serialized": True,
+            "ignored_layers": sorted({_runtime(m) for m in weights - scaled}),
+            "require_smooth_scale": True,
+        }
+        path.write_text(json.dumps(config, indent=2))
+    return root / "ours", root / "importer"
+
+
+def test_the_single_scale_importers_layout_loads_and_computes_as_ours(vllm_env, single_scale, caplog):
+    ours, importer = single_scale
+    for sub in EXPERTS:
+        listed = _quantization_config(importer / sub)["ignored_layers"]
+        assert {"patch_embedding", "blocks.0.attn1.norm_k", "blocks.1.norm2"} <= set(listed)
+        with caplog.at_level(logging.INFO, logger="vllm_omni_mxfp4.hooks.names"):
+            theirs = build_expert(vllm_env, importer, None, sub)
+        accepted = [
+            r.getMessage() for r in caplog.records if "modules that are not Linears" in r.getMessage()
+        ]
+        caplog.clear()
+        assert len(accepted) == 1 and "1 Conv3dLayer (patch_embedding)" in accepted[0], accepted
+        mine = build_expert(vllm_env, ours, None, sub)
+        assert set(quantized_layers(theirs)) == set(quantized_layers(mine))
+        assert {type(m.quant_method).__name__ for m in quantized_layers(theirs).values()} == {
+            "Mxfp4LinearMethod"
+        }
+        assert torch.equal(forward(vllm_env, theirs), forward(vllm_env, mine))
+
+
+def test_inspect_accepts_the_single_scale_importers_layout(single_scale):
+    from vllm_omni_mxfp4.config.names import STORAGE_RULE
+    from vllm_omni_mxfp4.inspection import inspect_path
+
+    report = inspect_path(single_scale[1])
+    assert report.ok, report.problems
+    assert [c.names_rule for c in report.components] == [STORAGE_RULE, STORAGE_RULE]
