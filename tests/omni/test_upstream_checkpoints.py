@@ -72,23 +72,53 @@ def _specs():
     }
 
 
+def _single_specs():
+    """Single-scale, Smooth on every quantized Linear (vLLM-Omni's single-scale importer takes Smooth
+    on all of an expert's quantized Linears or on none)."""
+    from vllm_omni_mxfp4_demo.tiny.msmodelslim_export import NON_BLOCK_EXCLUDES, ExpertSpec, all_linears
+
+    return {
+        "transformer": ExpertSpec(
+            "single", "mindie", exclude=["*blocks.0.*", *NON_BLOCK_EXCLUDES], smooth=all_linears(1)
+        ),
+        "transformer_2": ExpertSpec(
+            "single",
+            "mindie",
+            exclude=["blocks.1.ffn.2", *NON_BLOCK_EXCLUDES],
+            smooth=[g for b in (0, 1) for g in all_linears(b) if g != ["blocks.1.ffn.2"]],
+        ),
+    }
+
+
 @pytest.fixture(scope="session")
-def merged_twice(tmp_path_factory):
-    """(upstream's merge, our merge) of one msModelSlim export of the tiny two-expert pipeline. Built
-    before any process group exists (msModelSlim's quantizers change behaviour under one)."""
+def exports(tmp_path_factory):
+    """(the tiny two-expert original, its DualScale export, its single-scale export), both by
+    msModelSlim. Every test here takes this session fixture (through :func:`merged_twice` or
+    :func:`single_scale`), so both are built before the module's process group exists
+    (msModelSlim's savers write per-rank directories under one)."""
     pytest.importorskip("msmodelslim")
-    from vllm_omni_mxfp4.checkpoint import merge
     from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
     from vllm_omni_mxfp4_demo.tiny.msmodelslim_export import export_pipeline
 
-    original, root = build_tiny_wan(2), tmp_path_factory.mktemp("upstream")
-    export_pipeline(original, root / "quant", _specs())
+    original, root = build_tiny_wan(2), tmp_path_factory.mktemp("exports")
+    export_pipeline(original, root / "dual", _specs())
+    export_pipeline(original, root / "single", _single_specs())
+    return original, root / "dual", root / "single"
+
+
+@pytest.fixture(scope="session")
+def merged_twice(exports, tmp_path_factory):
+    """(upstream's merge, our merge) of the DualScale export."""
+    from vllm_omni_mxfp4.checkpoint import merge
+
+    original, quant, _ = exports
+    root = tmp_path_factory.mktemp("upstream")
     tool = importlib.util.find_spec(UPSTREAM_TOOL).origin
     args = ["--model-type", "Wan2.2-T2V-A14B", "--original-model", str(original)]
-    args += ["--quant-path", str(root / "quant"), "--output-path", str(root / "upstream")]
+    args += ["--quant-path", str(quant), "--output-path", str(root / "upstream")]
     done = subprocess.run([sys.executable, tool, *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    merge("Wan2.2-T2V-A14B", original, root / "quant", root / "ours")
+    merge("Wan2.2-T2V-A14B", original, quant, root / "ours")
     return root / "upstream", root / "ours"
 
 
@@ -267,41 +297,20 @@ def _runtime(module: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def single_scale(tmp_path_factory):
-    """(our merge, packed; the importer's layout) of one single-scale msModelSlim export of the tiny
-    pipeline, Smooth on every quantized Linear (the importer takes Smooth on all of an expert's
-    quantized Linears or on none).
+def single_scale(exports, tmp_path_factory):
+    """(our merge, packed; the importer's layout) of the single-scale export.
 
     vLLM-Omni 0.30's wheel has no single-scale importer (``merge_mxfp4_checkpoint.py`` of its
     development branches), so its output is written here from what that tool is documented to write:
     FP4 values as BF16 ``(N, K)`` with uint8 scales and float32 ``mul_scale`` (our ``numeric``
     layout), and a ``quantization_config`` whose ``ignored_layers`` lists every weight of the
     original without a ``weight_scale``: the BF16 Linears, the norms and ``patch_embedding``."""
-    pytest.importorskip("msmodelslim")
     from vllm_omni_mxfp4.checkpoint import merge
-    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
-    from vllm_omni_mxfp4_demo.tiny.msmodelslim_export import (
-        NON_BLOCK_EXCLUDES,
-        ExpertSpec,
-        all_linears,
-        export_pipeline,
-    )
 
-    specs = {
-        "transformer": ExpertSpec(
-            "single", "mindie", exclude=["*blocks.0.*", *NON_BLOCK_EXCLUDES], smooth=all_linears(1)
-        ),
-        "transformer_2": ExpertSpec(
-            "single",
-            "mindie",
-            exclude=["blocks.1.ffn.2", *NON_BLOCK_EXCLUDES],
-            smooth=[g for b in (0, 1) for g in all_linears(b) if g != ["blocks.1.ffn.2"]],
-        ),
-    }
-    original, root = build_tiny_wan(2), tmp_path_factory.mktemp("single")
-    export_pipeline(original, root / "quant", specs)
-    merge("Wan2.2-T2V-A14B", original, root / "quant", root / "ours")
-    merge("Wan2.2-T2V-A14B", original, root / "quant", root / "importer", weight_layout="numeric")
+    original, _, quant = exports
+    root = tmp_path_factory.mktemp("single")
+    merge("Wan2.2-T2V-A14B", original, quant, root / "ours")
+    merge("Wan2.2-T2V-A14B", original, quant, root / "importer", weight_layout="numeric")
     for sub in EXPERTS:
         tensors = _tensors(root / "importer" / sub)
         scaled = {n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")}
