@@ -58,6 +58,17 @@ Every other magnitude, 0x00..0x7E, is a finite number (0x7E is 448)."""
 UOS_DST_TYPE_MAX = 7.25
 """``dst_type_max`` of the NPU's UOS scale rule (``scale_alg=2``) for FP4 E2M1."""
 
+SMOOTH_RANGE = (2.0**-24, 2.0**24)
+"""The valid ``mul_scale`` values, ``[2^-24, 2^24]`` (5.96e-8 to 1.68e7). msModelSlim's Smooth
+exports ``mul_scale = 1 / clamp(act_max^a / weight_max^(1-a), min=scale_min)`` (iter_smooth,
+``scale_min`` 1e-5 by default; SmoothQuant and FlexSmooth clamp at 1e-5 too), so its values are at
+most 1e5 and, for activation maxima an FP16 or BF16 activation reaches in a diffusion transformer
+(up to about 1e5), at least about 1e-5: the range leaves a margin of about 100 on each side for a
+smaller ``scale_min`` or larger maxima. Its lower end is FP16's smallest subnormal (below it
+``x * mul_scale`` is zero in FP16); above its upper end the product leaves BF16's and FP16's useful
+range for any ordinary activation (1e30 times an activation of 1e9 overflows BF16). A value outside
+is a corrupt file or a calibration that diverged, not a Smooth factor."""
+
 NVFP4_BLOCK = 16
 """Elements that share one FP8 E4M3 scale in NVFP4 (the source format of requantization)."""
 
@@ -143,10 +154,12 @@ VALUE_RULES: dict[str, ValueRule] = {
             lambda v, xp: ~xp.isfinite(v) | (v < 0),
         ),
         ValueRule(
-            "finite_positive",
-            "finite values > 0",
-            "a Smooth calibration that divided by zero or diverged, or a corrupt file",
-            lambda v, xp: ~xp.isfinite(v) | ~(v > 0),
+            "smooth",
+            f"finite values in [2^-24, 2^24] ({SMOOTH_RANGE[0]:.3g} to {SMOOTH_RANGE[1]:.3g}), the range of "
+            "calibrated Smooth factors (spec.SMOOTH_RANGE)",
+            "a corrupt file, a Smooth calibration that divided by zero or diverged, or scales stored in "
+            "another form (the reciprocal, a logarithm)",
+            lambda v, xp: ~xp.isfinite(v) | ~(v >= SMOOTH_RANGE[0]) | ~(v <= SMOOTH_RANGE[1]),
         ),
         ValueRule(
             "smooth_in_activation_dtype",
@@ -154,6 +167,13 @@ VALUE_RULES: dict[str, ValueRule] = {
             "a Smooth vector calibrated in float32 or BF16 whose range the activation dtype cannot hold; "
             "x * mul_scale runs in that dtype",
             lambda v, xp: ~xp.isfinite(v) | ~(v > 0),
+        ),
+        ValueRule(
+            "e2m1",
+            "FP4 E2M1 numbers (0, +-0.5, +-1, +-1.5, +-2, +-3, +-4, +-6)",
+            "an ordinary BF16 weight (a layer kept in BF16 but missing from ignored_layers), or values "
+            "not unpacked from E2M1 codes",
+            lambda v, xp: ~xp.isin(xp.abs(v), xp.asarray(E2M1_VALUES, dtype=v.dtype)),
         ),
         ValueRule(
             "finite",
@@ -218,6 +238,11 @@ SMOOTH_DTYPES = ("F32", "BF16", "F16")
 WEIGHT_FP4 = CheckpointTensor(
     "weight", ("U8",), "(N, K/2)", lambda n, k: (n, k // 2), 1, 2, "any", required=True
 )
+WEIGHT_FP4_NUMERIC = CheckpointTensor(
+    "weight", ("BF16", "F16", "F32"), "(N, K)", lambda n, k: (n, k), 1, 1, "e2m1", required=True
+)
+"""The numeric layout of an FP4 weight: its E2M1 values in a float dtype, unscaled (``merge
+--weight-layout numeric``, and vLLM-Omni's single-scale importer, write BF16). The loader packs it."""
 WEIGHT_FP8 = CheckpointTensor(
     "weight", ("F8_E4M3",), "(N, K)", lambda n, k: (n, k), 1, 1, "e4m3", required=True
 )
@@ -248,21 +273,25 @@ MUL_SCALE = CheckpointTensor(
     lambda n, k: (k,),
     0,
     1,
-    "finite_positive",
+    "smooth",
     required=False,
 )
 MUL_SCALE_REQUIRED = CheckpointTensor(
-    "mul_scale", MUL_SCALE.dtypes, "(K,)", lambda n, k: (k,), 0, 1, "finite_positive", required=True
+    "mul_scale", MUL_SCALE.dtypes, "(K,)", lambda n, k: (k,), 0, 1, "smooth", required=True
 )
 BIAS = CheckpointTensor("bias", FLOAT_DTYPES, "(N,)", lambda n, k: (n,), None, 1, "finite", required=False)
 
 FORMAT_TENSORS: dict[str, tuple[CheckpointTensor, ...]] = {
     "mxfp4": (WEIGHT_FP4, WEIGHT_SCALE, MUL_SCALE, BIAS),
-    "mxfp4_dualscale": (WEIGHT_FP4, WEIGHT_SCALE, WEIGHT_DUAL_SCALE, MUL_SCALE_REQUIRED, BIAS),
+    "mxfp4_dualscale": (WEIGHT_FP4, WEIGHT_SCALE, WEIGHT_DUAL_SCALE, MUL_SCALE, BIAS),
     "mxfp8": (WEIGHT_FP8, WEIGHT_SCALE, BIAS),
 }
-"""The checkpoint tensors of each format's quantized Linear (``mul_scale`` is optional for
-``mxfp4`` unless the config sets ``require_smooth_scale``; an ``mxfp8`` layer has no Smooth)."""
+"""The checkpoint tensors of each format's quantized Linear. ``mul_scale`` is optional: a layer
+without one runs with identity Smooth, which is what msModelSlim computed for a layer it did not
+smooth (only its ``NonFusionSmoothQuantWrapper`` multiplies the input, by the ``div.mul_scale`` it
+exports; its DualScale and per-block fake-quant Linears quantize ``x`` as it comes, and ``x * 1.0``
+is ``x`` in every float dtype). ``mxfp4`` requires it when the config sets
+``require_smooth_scale``; an ``mxfp8`` layer has no Smooth."""
 
 
 FirstBad = Callable[[ValueRule], "tuple[list[int], Any] | None"]

@@ -160,7 +160,8 @@ def test_mul_scale_must_be_finite_and_positive(expert_copy, tmp_path, bad, shown
         return t
 
     message = (
-        rf"mul_scale 'blocks\.2\.ffn\.2\.div\.mul_scale' holds {shown}.* at \[7\]; expected finite values > 0"
+        rf"mul_scale 'blocks\.2\.ffn\.2\.div\.mul_scale' holds {shown}.* at \[7\]; expected finite values in "
+        r"\[2\^-24, 2\^24\]"
     )
     assert_refused(expert_copy, tmp_path, message, replace("blocks.2.ffn.2.div.mul_scale", poison))
 
@@ -287,7 +288,7 @@ def test_index_that_misses_a_shard_tensor(expert_copy, tmp_path):
             lambda t, e: [
                 e.__setitem__(f"{OPROJ}.{leaf}", "W4A4_MXFP4") for leaf in ("weight", "weight_scale")
             ],
-            r"mixes W4A4_MXFP4 and W4A4_MXFP4_DUALSCALE",
+            r"mixes W4A4_MXFP4 \(e\.g\. '[\w.]+'\) and W4A4_MXFP4_DUALSCALE \(e\.g\. '[\w.]+'\)",
         ),
         (
             lambda t, e: e.__setitem__("blocks.0.norm3.weight", "W4A4_MXFP4_DUALSCALE"),

@@ -125,6 +125,8 @@ def test_a_quantized_double_stream_linear_is_refused_by_name(runs, tmp_path):
     def mutate(tensors, entries):  # a valid MXFP4 layer of the right shapes (all codes 2 x 2^0 = 1.0)
         tensors[f"{layer}.weight"] = torch.full((n, k // 2), 0x22, dtype=torch.uint8)
         tensors[f"{layer}.weight_scale"] = torch.full((n, k // 32), 127, dtype=torch.uint8)
+        bias = f"{layer}.bias"
+        tensors[bias] = tensors[bias].float()  # msModelSlim writes a quantized Linear's bias in F32
         entries[f"{layer}.weight"] = entries[f"{layer}.weight_scale"] = "W4A4_MXFP4"
 
     edit(export, mutate)

@@ -228,10 +228,12 @@ def test_what_vllm_omni_cannot_serve_is_refused(recipe, tmp_path, change, messag
             for leaf in ("weight", "bias"):
                 name = f"transformer_blocks.1.attn.to_k.{leaf}"
                 tensors[name], entries[name] = state[name], "FLOAT"
-        elif change == "quantized_img_mod":  # DualScale tensors of the right shapes; its FLOAT bias stays
+        elif change == "quantized_img_mod":  # DualScale tensors of the right shapes; F32 bias
             for leaf in ("weight", "weight_scale", "weight_dual_scale"):
                 name = f"transformer_blocks.0.img_mod.1.{leaf}"
                 tensors[name], entries[name] = _requantized(state, leaf), "W4A4_MXFP4_DUALSCALE"
+            bias = "transformer_blocks.0.img_mod.1.bias"
+            tensors[bias] = tensors[bias].float()
         else:
             name = "transformer_blocks.0.img_mlp.net.2.k_rot"
             tensors[name], entries[name] = tensors["transformer_blocks.0.k_rot"].clone(), "FLOAT"

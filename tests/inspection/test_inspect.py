@@ -344,7 +344,8 @@ def test_ignored_layers_entry_that_names_no_linear(offline_dirs, tmp_path):
     report = inspect_path(bad)
     assert any(
         re.search(
-            r"config\.json quantization_config: ignored_layers entry 'blocks\.7\.attn2\.to_q' matches no Linear",
+            r"config\.json quantization_config: ignored_layers entry 'blocks\.7\.attn2\.to_q' of the "
+            r"checkpoint's config\.json names neither a Linear nor a module without Linears",
             p,
         )
         for p in report.problems
@@ -395,6 +396,47 @@ def test_tensor_of_another_format_is_named(offline_dirs, tmp_path):
     )
 
 
+@pytest.mark.parametrize("value", [1e30, 1e38])
+def test_a_smooth_factor_outside_the_calibrated_range_is_named(offline_dirs, tmp_path, value):
+    name = "blocks.1.ffn.net.2.mul_scale"
+    bad = checkpoint_variant(offline_dirs["mxfp4"], tmp_path / "m", tensors=_set(name, 3, value))
+    assert_problem(
+        inspect_path(bad),
+        "blocks.1.ffn.net_2",
+        rf"{re.escape(name)}: holds [0-9.e+]+ at \[3\]; expected finite values in \[2\^-24, 2\^24\]",
+    )
+
+
+def _numeric(data):
+    """The numeric weight layout (``merge --weight-layout numeric``): E2M1 values as BF16 (N, K)."""
+    from vllm_omni_mxfp4.formats import e2m1_decode, unpack_fp4
+
+    for name in [n for n in data if n.endswith(".weight") and data[n].dtype == torch.uint8]:
+        data[name] = e2m1_decode(unpack_fp4(data[name]), torch.bfloat16)
+
+
+def test_the_numeric_weight_layout_is_valid(offline_dirs, tmp_path):
+    """What the merge writes with --weight-layout numeric (and vLLM-Omni's single-scale importer)."""
+    for method in ("mxfp4", "mxfp4_dualscale"):
+        report = inspect_path(checkpoint_variant(offline_dirs[method], tmp_path / method, tensors=_numeric))
+        assert report.ok, report.problems
+
+
+def test_a_numeric_weight_off_the_e2m1_grid_is_named(offline_dirs, tmp_path):
+    name = "blocks.1.attn2.to_k.weight"
+
+    def edit(data):
+        _numeric(data)
+        _set(name, (3, 70), 0.75)(data)  # exact in BF16, between 0.5 and 1
+
+    bad = checkpoint_variant(offline_dirs["mxfp4"], tmp_path / "m", tensors=edit)
+    assert_problem(
+        inspect_path(bad),
+        "blocks.1.attn2.to_k",
+        rf"{re.escape(name)}: holds 0\.75 at \[3, 70\]; expected FP4 E2M1 numbers",
+    )
+
+
 def test_fused_pieces_with_different_smooth_vectors(offline_dirs, tmp_path):
     bad = checkpoint_variant(
         offline_dirs["mxfp4"], tmp_path / "m", tensors=_set("blocks.1.attn1.to_v.mul_scale", 3, 2.0)
@@ -436,11 +478,13 @@ def test_cli_json_is_the_whole_stdout_and_matches_the_table(offline_dirs):
 
 def test_cli_exit_statuses(offline_dirs, tmp_path, capfd):
     bad = checkpoint_variant(
-        offline_dirs["mxfp4_dualscale"], tmp_path / "m", tensors=_drop("blocks.0.attn2.to_q.mul_scale")
+        offline_dirs["mxfp4_dualscale"],
+        tmp_path / "m",
+        tensors=_drop("blocks.0.attn2.to_q.weight_dual_scale"),
     )
     assert main(["inspect", str(bad)]) == 2
     out = capfd.readouterr().out
-    assert "problem: blocks.0.attn2.to_q: blocks.0.attn2.to_q.mul_scale: missing" in out
+    assert "problem: blocks.0.attn2.to_q: blocks.0.attn2.to_q.weight_dual_scale: missing" in out
     assert out.rstrip().splitlines()[-1].endswith("1 component(s) inspected, 1 problem")
 
     assert main(["inspect", str(tmp_path / "nowhere")]) == 1

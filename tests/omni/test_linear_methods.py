@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.support.compare import reference
-from tests.support.layers import K, N, env_vars, finish, load, make_layer, make_qkv, run, weights
+from tests.support.layers import K, N, build, env_vars, finish, load, make_layer, make_qkv, run, weights
 from vllm_omni_mxfp4.formats import (
     dequantize_dualscale,
     dequantize_mx,
@@ -188,9 +188,9 @@ def test_offline_missing_required_tensors_are_named(vllm_env):
 @pytest.mark.parametrize(
     "bad,match",
     [
-        (torch.full((K,), float("nan")), r"mul_scale: 256 of 256 values break the rule 'finite_positive'"),
+        (torch.full((K,), float("nan")), r"mul_scale: 256 of 256 values break the rule 'smooth'"),
         (-torch.ones(K), r"mul_scale: .* the first is -1\.0 at index \[0\]"),
-        (torch.zeros(K), r"mul_scale: .*'finite_positive' \(finite values > 0\)"),
+        (torch.zeros(K), r"mul_scale: .*'smooth' \(finite values in \[2\^-24, 2\^24\]"),
         (torch.ones(2, K), r"mul_scale: has shape \[2, 256\]; expected \[256\] \(K,\)"),
         (torch.ones(K, dtype=torch.int32), "mul_scale: has dtype I32; expected BF16 or F16 or F32 or F64"),
     ],
@@ -305,18 +305,47 @@ def test_online_dualscale_and_leading_bf16_blocks(vllm_env):
     assert torch.equal(run(vllm_env, layer, x), want.to(torch.bfloat16))
 
 
-def test_offline_dualscale_requires_all_four_tensors(vllm_env):
+def test_offline_dualscale_without_mul_scale_runs_with_identity_smooth(vllm_env):
+    """A DualScale layer msModelSlim did not smooth (vLLM-Omni's merge script writes no mul_scale for
+    it) computes exactly what msModelSlim's fake-quant Linear computes: x quantized as it comes."""
+    k = 1024
+    w, b, x = weights(18, k=k)
+    data, scale, dual = quantize_dualscale(w)
+    spec = {"method": "mxfp4_dualscale", "is_checkpoint_serialized": True, "backend": "emulated"}
+    layer = build(
+        vllm_env,
+        spec,
+        {"weight": data, "weight_scale": scale, "weight_dual_scale": dual.unsqueeze(-1)},
+        bias=b,
+        k=k,
+    )
+    assert set(layer.state_dict()) == {"weight", "weight_scale", "weight_dual_scale", "bias"}
+    xd, xs, xl0 = quantize_dualscale(x)
+    want = F.linear(dequantize_dualscale(xd, xs, xl0), dequantize_dualscale(data, scale, dual), b.float())
+    assert torch.equal(run(vllm_env, layer, x), want.to(torch.bfloat16))
+    ones = build(
+        vllm_env, spec, {"weight": data, "weight_scale": scale, "weight_dual_scale": dual.unsqueeze(-1), "mul_scale": torch.ones(k)}, bias=b, k=k
+    )  # fmt: skip
+    assert torch.equal(run(vllm_env, ones, x), run(vllm_env, layer, x))  # what our merge writes instead
+
+
+def test_offline_dualscale_requires_its_three_weight_tensors(vllm_env):
     k = 1024
     w, b, x = weights(17, k=k)
     smooth = torch.exp(0.3 * torch.randn(k, generator=torch.Generator().manual_seed(5)))
     data, scale, dual = quantize_dualscale((w.float() / smooth).to(torch.bfloat16))
     spec = {"method": "mxfp4_dualscale", "is_checkpoint_serialized": True, "backend": "emulated"}
+    incomplete = make_layer(vllm_env, spec, k=k)
+    load(incomplete, "weight", data)
+    load(incomplete, "weight_scale", scale)
+    with pytest.raises(
+        ValueError, match=r"weight_dual_scale: required by offline mxfp4_dualscale but missing"
+    ):
+        finish(vllm_env, incomplete)
     layer = make_layer(vllm_env, spec, k=k)
     load(layer, "weight", data)
     load(layer, "weight_scale", scale)
     load(layer, "weight_dual_scale", dual.unsqueeze(-1))
-    with pytest.raises(ValueError, match=r"mul_scale: required by offline mxfp4_dualscale but missing"):
-        finish(vllm_env, layer)
     load(layer, "mul_scale", smooth)
     load(layer, "bias", b)
     finish(vllm_env, layer)

@@ -123,12 +123,21 @@ OFFLINE_VALUES = {
         set_value("blocks.1.ffn.net.2.mul_scale", 9, NAN),
         [r"^blocks\.1\.ffn\.net_2\.mul_scale: 1 of", r"nan at index \[9\]", "Smooth calibration"],
     ),
-    "smooth_overflows_bf16": (
+    "smooth_out_of_range": (
         "mxfp4",
-        set_value("blocks.1.ffn.net.2.mul_scale", 17, 3.4e38),  # finite in float32, Inf in bfloat16
+        set_value("blocks.1.ffn.net.2.mul_scale", 17, 1e30),  # finite in BF16 too: every output would be Inf
         [
-            r"^blocks\.1\.ffn\.net_2\.mul_scale: 1 of \d+ values break the rule 'smooth_in_activation_dtype'",
-            r"the first is 3\.39+\d*e\+38 at index \[17\] once converted to the activation dtype torch\.bfloat16",
+            r"^blocks\.1\.ffn\.net_2\.mul_scale: 1 of \d+ values break the rule 'smooth' \(finite values in "
+            r"\[2\^-24, 2\^24\]",
+            r"the first is 1(\.0+\d*)?e\+30 at index \[17\]",
+        ],
+    ),
+    "smooth_out_of_range_dualscale": (
+        "mxfp4_dualscale",
+        set_value("blocks.1.attn2.to_q.mul_scale", 40, 1e38),  # the largest order of magnitude float32 holds
+        [
+            r"^blocks\.1\.attn2\.to_q\.mul_scale: 1 of \d+ values break the rule 'smooth'",
+            r"the first is (9\.9\d*e\+37|1(\.0+\d*)?e\+38) at index \[40\]",
         ],
     ),
     "bias_nan": (
@@ -201,7 +210,7 @@ def test_the_value_check_is_one_vectorised_pass():
     weight = torch.randn(1024, 512, dtype=torch.bfloat16)
     for name, t in (
         ("finite", weight),
-        ("finite_positive", weight.abs() + 1),
+        ("smooth", weight.abs() + 1),
         ("e8m0", quantize_mx(weight)[1]),
     ):
         with Ops() as mode:
@@ -239,11 +248,23 @@ NO_CONFIG = [
     "no usable quantization_config",
     "Restore quantization_config",
 ]
-ONLINE = [
-    r"^blocks\.0\.attn1\.to_qkv\.weight \(fused piece '[qkv]'\): online mxfp4 expects a BF16/FP16/FP32 weight",
-    r"got torch\.uint8 \(512, 256\)",
-    "is_checkpoint_mxfp4_serialized: true in the quantization_config",
-]
+
+
+def stored(method, declared, online=None):
+    """The storage/config mismatch, reported before anything the online config would trip over."""
+    flag = {"mxfp4": "is_checkpoint_mxfp4_serialized", "mxfp4_dualscale": "is_checkpoint_serialized"}[method]
+    return [
+        rf"/transformer: the checkpoint stores pre-quantized {method} weights \(\d+ scale tensors, e\.g\. "
+        r"blocks\.\d\.[\w.]+\.weight_(dual_)?scale (U8|F32) \[",
+        re.escape(f"but its config.json{declared}, so {online or method} would take them for BF16 weights"),
+        re.escape(
+            f'"quantization_config": {{"quant_method": "{method}", "{flag}": true, "ignored_layers": []}}'
+        ),
+        "then load without a quantization argument",
+    ]
+
+
+ONLINE = stored("mxfp4", "'s quantization_config is the method name 'mxfp4', which states no storage")
 WRONG_METHOD = [r"declares quant_method='mxfp4' but the active quantization config is 'mxfp4_dualscale'"]
 
 MISMATCHES = {
@@ -255,27 +276,43 @@ MISMATCHES = {
         "mxfp4",
         None,
         {"config": update_quant_config(is_checkpoint_mxfp4_serialized=False)},
-        ONLINE,
+        stored("mxfp4", "'s quantization_config sets is_checkpoint_mxfp4_serialized: false"),
+    ),
+    # Online mxfp4_dualscale keeps its first 5 blocks in BF16, more than the tiny model has: that
+    # check must not hide that the file is quantized and config.json says otherwise.
+    "dualscale_forced_without_config": (
+        "mxfp4_dualscale",
+        "mxfp4_dualscale",
+        {"config": quant_config(KeyError)},
+        stored("mxfp4_dualscale", " has no quantization_config"),
+    ),
+    "dualscale_forced_over_a_string": (
+        "mxfp4_dualscale",
+        "mxfp4_dualscale",
+        {"config": quant_config("mxfp4_dualscale")},
+        stored(
+            "mxfp4_dualscale",
+            "'s quantization_config is the method name 'mxfp4_dualscale', which states no storage",
+        ),
+    ),
+    "dualscale_forced_over_not_serialized": (
+        "mxfp4_dualscale",
+        "mxfp4_dualscale",
+        {"config": update_quant_config(is_checkpoint_serialized=False)},
+        stored("mxfp4_dualscale", "'s quantization_config sets is_checkpoint_serialized: false"),
     ),
     "other_method_forced": ("mxfp4", "mxfp4_dualscale", {}, WRONG_METHOD),
     "other_method_forced_without_config": (
         "mxfp4",
         {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0},
         {"config": quant_config(KeyError)},
-        [
-            r"^blocks\.\d\.[\w.]+\.(weight|mul_scale)( \(fused piece '[qkv]'\))?: online mxfp4_dualscale ",
-            "is_checkpoint_serialized: true in the quantization_config",
-        ],
+        stored("mxfp4", " has no quantization_config", online="mxfp4_dualscale"),
     ),
     "online_forced_with_an_ignored_layer": (
         "mxfp4",
         {"method": "mxfp4", "ignored_layers": ["blocks.0.attn1.to_qkv"]},
         {"config": quant_config(KeyError), "tensors": lambda t: t.pop("blocks.0.attn1.to_q.mul_scale")},
-        [
-            r"^blocks\.0\.attn1\.to_qkv\.weight: the mxfp4 config keeps this Linear in BF16 \(listed in ignored",
-            r"holds torch\.uint8 \(512, 256\)",
-            "The config is online .* this checkpoint is pre-quantized: omit the quantization argument",
-        ],
+        stored("mxfp4", " has no quantization_config"),
     ),
     "ignored_layer_is_quantized": (
         "mxfp4",
@@ -295,6 +332,23 @@ MISMATCHES = {
             r"^blocks\.0\.attn1\.to_qkv\.weight: the mxfp4_dualscale config keeps",
             r"Remove 'blocks\.0\.attn1\.to_qkv'",
         ],
+    ),
+    "config_builds_fewer_blocks": (
+        "mxfp4",
+        None,
+        {"config": lambda c: c.__setitem__("num_layers", 1)},  # vLLM-Omni would skip block 1's tensors
+        [
+            r"/transformer: config\.json and the weights disagree: the WanTransformer3DModel \(transformer\) "
+            r"vLLM-Omni built has 1 blocks as config\.json says \(num_layers=1\), but the weights hold "
+            r"blocks 0-1 \(2\)",
+            "Use the config.json that belongs to these weights",
+        ],
+    ),
+    "config_builds_more_blocks": (
+        "mxfp4_dualscale",
+        None,
+        {"config": lambda c: c.__setitem__("num_layers", 3)},
+        [r"has 3 blocks as config\.json says \(num_layers=3\), but the weights hold blocks 0-1 \(2\)"],
     ),
     "bias_wrong_length": (
         "mxfp4",
@@ -335,6 +389,15 @@ def test_config_that_disagrees_with_the_tensors_is_one_clear_error(vllm_env, off
     method, quantization, edits, fragments = MISMATCHES[case]
     bad = checkpoint_variant(offline_dirs[method], tmp_path / "bad", **edits)
     assert_refused(lambda: build_expert(vllm_env, bad, quantization), fragments)
+
+
+def test_a_bf16_model_whose_config_builds_other_blocks_is_refused_online(vllm_env, tiny_dir, tmp_path):
+    bad = checkpoint_variant(tiny_dir, tmp_path / "bad", config=lambda c: c.__setitem__("num_layers", 1))
+    build_expert(vllm_env, tiny_dir, {"method": "mxfp4"})
+    fragments = [
+        r"config\.json and the weights disagree: .* has 1 blocks as config\.json says \(num_layers=1\)"
+    ]
+    assert_refused(lambda: build_expert(vllm_env, bad, {"method": "mxfp4"}), fragments)
 
 
 def test_the_valid_checkpoint_still_loads_and_the_model_keeps_its_loader(vllm_env, offline_dirs):

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,7 +163,7 @@ def build_expert(env, model_dir, spec, sub="transformer"):
             model = create_transformer_from_config(cfg, qc, component=sub)
         finally:
             torch.set_default_dtype(old)
-        check_built_model(model, sub)
+        check_built_model(model, sub, Path(model_dir) / sub)
         model.weights_sources = [
             DiffusersPipelineLoader.ComponentSource(
                 model_or_path=str(model_dir), subfolder=sub, revision=None

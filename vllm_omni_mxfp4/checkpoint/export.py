@@ -41,6 +41,9 @@ QUANT_LABELS: dict[str, str] = {"W4A4_MXFP4": "mxfp4", "W4A4_MXFP4_DUALSCALE": "
 #: msModelSlim label -> the format of :mod:`vllm_omni_mxfp4.spec` its Linears are stored in.
 LAYER_FORMATS: dict[str, str] = {**QUANT_LABELS, MXFP8_LABEL: "mxfp8"}
 SUPPORTED_LABELS = (FLOAT_LABEL, *LAYER_FORMATS)
+#: Tensors msModelSlim always labels FLOAT, whatever their Linear's format (its savers'
+#: ``write_tensor(prefix + ".bias", "FLOAT", ...)`` and ``(".div.mul_scale", "FLOAT", ...)``).
+FLOAT_ONLY_LEAVES = ("bias", "mul_scale")
 #: The method of an export whose only quantized label is W8A8 MXFP8 (the recipes' method is ``mxfp4``).
 MXFP8_ONLY_METHOD = "mxfp4"
 #: The recipe element that writes each supported label, for the message refusing any other label.
@@ -183,6 +186,13 @@ def _check_labelled_tensors(description: Path, labels: dict[str, str], tensors: 
                 f"{description}: tensor {name!r} has unsupported description label {label!r}; "
                 f"supported labels: {', '.join(SUPPORTED_LABELS)} ({_LABEL_SOURCES})"
             )
+    for name, label in labels.items():
+        if name.rpartition(".")[2] in FLOAT_ONLY_LEAVES and label != FLOAT_LABEL:
+            raise CheckpointError(
+                f"{description}: tensor {name!r} is labelled {label}; msModelSlim labels every "
+                f"{name.rpartition('.')[2]} FLOAT (its savers quantize only weights and their scales): the "
+                "description was edited or belongs to other weights; export again, or restore the label FLOAT"
+            )
 
 
 def _quantization_labels(description: Path, labels: dict[str, str]) -> tuple[str, list[str]]:
@@ -195,9 +205,9 @@ def _quantization_labels(description: Path, labels: dict[str, str]) -> tuple[str
         )
     mxfp4 = [label for label in used if label in QUANT_LABELS]
     if len(mxfp4) > 1:
-        raise CheckpointError(
-            f"{description}: mixes {' and '.join(mxfp4)}; a transformer must use one MXFP4 format"
-        )
+        first = {label: next(n for n, v in labels.items() if v == label) for label in mxfp4}
+        shown = " and ".join(f"{label} (e.g. {first[label]!r})" for label in mxfp4)
+        raise CheckpointError(f"{description}: mixes {shown}; a transformer must use one MXFP4 format")
     method_label = mxfp4[0] if mxfp4 else next(k for k, v in QUANT_LABELS.items() if v == MXFP8_ONLY_METHOD)
     return method_label, used
 

@@ -34,7 +34,10 @@ from ..models.names import (
     WAN_EXPORT_NAMES,
     ModelNames,
     NamesProvider,
+    block_spans,
     derived_model_names,
+    disagreeing_blocks,
+    layer_count_keys,
 )
 from ..publish.output import ComponentOutput, check_output, component_files, handle_stale_staging, publish
 from ..safetensors_io import diffusers_archive
@@ -250,9 +253,19 @@ def _model_names(
     """One original transformer's runtime names, from ``provider`` (vLLM-Omni's model class)."""
     config = original_config(directory, model.transformer_class)
     tensors = {name: (ref.dtype, ref.shape) for name, ref in diffusers_archive(directory).items()}
-    return derived_model_names(
+    names = derived_model_names(
         directory, model.transformer_class, config, tensors, provider, pipeline, model.export_names
     )
+    found = disagreeing_blocks(names.block_lists, tensors)
+    if found is not None:
+        path, built, held = found
+        raise CheckpointError(
+            f"{directory / 'config.json'}: disagrees with the original's weights: vLLM-Omni's {names.model_class} "
+            f"built from it has {built} {path}{layer_count_keys(config, built)}, but the weights hold {path} "
+            f"{block_spans(held)} ({len(held)}). Use the config.json that came with these weights (or correct "
+            "its layer count) before merging: the engine builds the model from it"
+        )
+    return names
 
 
 def _plan_transformers(

@@ -5,8 +5,9 @@ decides every output tensor without reading any weight: the original's tensors w
 versions overlaid, each quantized Linear's weight (packed, or unpacked to BF16 values), scales and
 Smooth vector. Nothing is written here, so ``--dry-run`` is exactly this step.
 
-A layer of a format that requires ``mul_scale`` (DualScale) that msModelSlim did not smooth gets an
-identity ``mul_scale`` (ones). W8A8 MXFP8 layers (msModelSlim's shipped Wan2.2 recipes) are written
+A DualScale layer that msModelSlim did not smooth gets an identity ``mul_scale`` (ones): our runtime
+loads such a layer without one as the identity, but vLLM-Omni's own DualScale method reads an
+uninitialised ``mul_scale`` when the checkpoint has none (:data:`IDENTITY_SMOOTH_FORMATS`). W8A8 MXFP8 layers (msModelSlim's shipped Wan2.2 recipes) are written
 as stored and listed in ``mxfp8_layers``, or, with ``mxfp8="bf16"``, taken from the original and
 listed in ``ignored_layers``. Online Q/K rotation records are left out of the weights and recorded in
 ``online_rotation``; FA3 records are reported per attention (attention stays BF16) and left out. The ``quantization_config`` written to ``config.json`` comes from the
@@ -48,6 +49,10 @@ from .validate import (
     Layers,
     MergeInputs,
 )
+
+IDENTITY_SMOOTH_FORMATS = ("mxfp4_dualscale",)
+"""Formats whose unsmoothed layers the merge writes with an identity ``mul_scale``: vLLM-Omni's own
+DualScale method registers ``mul_scale`` with ``torch.empty`` and would read garbage without one."""
 
 __all__ = [
     "DESCRIPTION_NAME",
@@ -162,8 +167,7 @@ def _add_quantized_tensors(inputs: MergeInputs, layer: str, layout: str, out: _O
     else:
         shape = (weight.shape[0], weight.shape[1] * 2)
         out.add(OutputTensor(f"{layer}.weight", "BF16", shape, UnpackFp4ToBf16(weight)), weight, label)
-    records = {record.name: record for record in spec.checkpoint_tensors(inputs.layer_format(layer))}
-    if MUL_SCALE not in tensors and MUL_SCALE in records and records[MUL_SCALE].required:
+    if MUL_SCALE not in tensors and inputs.layer_format(layer) in IDENTITY_SMOOTH_FORMATS:
         # A layer msModelSlim did not smooth gets the identity, which leaves its activations unchanged.
         k = weight.shape[1] * 2
         out.add(OutputTensor(f"{layer}.{MUL_SCALE}", "F32", (k,), OnesF32(k)))
@@ -190,9 +194,9 @@ def _smooth_count(inputs: MergeInputs, layers: Layers) -> int:
 
 
 def _require_smooth_scale(inputs: MergeInputs, layers: Layers) -> bool | None:
-    """``require_smooth_scale`` for formats where ``mul_scale`` is optional: true iff every MXFP4
-    layer is smoothed (MXFP8 layers have no Smooth). ``None`` where the format always requires it."""
-    if spec.checkpoint_tensor(inputs.export.quant_method, MUL_SCALE).required:
+    """``require_smooth_scale`` for a method that has the key (``mxfp4``): true iff every MXFP4 layer
+    is smoothed (MXFP8 layers have no Smooth). ``None`` for ``mxfp4_dualscale``, which has no such key."""
+    if inputs.export.quant_method in IDENTITY_SMOOTH_FORMATS:
         return None
     mxfp4 = len(layers.quantized) - len(layers.mxfp8)
     smoothed = _smooth_count(inputs, layers)

@@ -12,7 +12,7 @@ tensor or file):
 - a quantized Linear has every required tensor of its format, each labelled with the export's
   format (``mul_scale`` labelled FLOAT, the bias FLOAT or the format), and its bias iff the
   original has one; ``mul_scale`` is needed only where msModelSlim smoothed the layer (the merge
-  writes an identity one where the format requires it);
+  writes an identity one for unsmoothed DualScale layers, :data:`.plan.IDENTITY_SMOOTH_FORMATS`);
 - a FLOAT tensor is floating point with the original's shape; a Linear kept in BF16 has no scales
   and no Smooth (a BF16 Linear does not apply ``mul_scale`` at runtime);
 - the Linears the model fuses into one runtime Linear (its loader's fused pieces: Wan's
@@ -98,6 +98,23 @@ class Layers:
     mxfp8: list[str] = field(default_factory=list)
 
 
+#: Where msModelSlim 26.1's savers take the dtype of each float tensor of a quantized Linear from.
+WRITTEN_DTYPES = {
+    MUL_SCALE: "for a Linear's mul_scale: its original weight's dtype (the Smooth factors are computed "
+    "in it: iter_smooth's compute_smooth_scale casts to the weight's dtype)",
+    "bias": "for the bias of a quantized Linear (both savers write it .to(torch.float32))",
+    "weight_dual_scale": "for DualScale coarse scales (the savers write them .to(torch.float32))",
+}
+
+
+def written_dtype(leaf: str, original_weight_dtype: str) -> str | None:
+    """The safetensors dtype msModelSlim writes tensor ``leaf`` of a quantized Linear in (None: not a
+    float tensor of fixed dtype), given the dtype of the Linear's original weight."""
+    if leaf == MUL_SCALE:
+        return original_weight_dtype
+    return "F32" if leaf in WRITTEN_DTYPES else None
+
+
 def _fail(ref: TensorRef, what: str, problem: str) -> CheckpointError:
     return CheckpointError(f"{ref.path}: {what} {ref.name!r} {problem}")
 
@@ -139,7 +156,7 @@ def _allowed_labels(leaf: str, label: str) -> tuple[str, ...]:
     if leaf == MUL_SCALE:
         return (FLOAT_LABEL,)
     if leaf == "bias":
-        return (FLOAT_LABEL, label)
+        return (FLOAT_LABEL,)  # msModelSlim labels biases FLOAT (the reader refuses others first)
     return (label,)
 
 
@@ -360,7 +377,23 @@ class MergeInputs:
         tensors = self.by_layer[layer]
         for record in records:
             if record.name in tensors:
+                self._check_written_dtype(layer, tensors[record.name].ref, record.name)
                 check_record(tensors[record.name].ref, record, record.shape(n, k), why)
+
+    def _check_written_dtype(self, layer: str, ref: TensorRef, leaf: str) -> None:
+        """A float tensor of a quantized Linear has the dtype msModelSlim writes for its role
+        (:func:`written_dtype`): a header relabelled to another float dtype reads the same bytes as
+        other numbers, which no value rule can tell."""
+        expected = written_dtype(leaf, self.original[f"{layer}.weight"].dtype)
+        if expected is None or ref.dtype == expected or ref.dtype not in spec.FLOAT_DTYPES:
+            return  # a non-float dtype is the table's check (check_record) to word
+        raise _fail(
+            ref,
+            leaf,
+            f"has dtype {ref.dtype}; expected {expected}, the dtype msModelSlim writes {WRITTEN_DTYPES[leaf]}. A "
+            "header relabelled to another float dtype reads the same bytes as other numbers: export again "
+            "with msModelSlim (or restore the file it wrote)",
+        )
 
     def keeps_quantized(self, layer: str) -> bool:
         """Whether a quantized Linear is written quantized: block Linears are (W8A8 MXFP8 ones unless

@@ -118,7 +118,10 @@ def _parse_mapping(spec: Mapping) -> QuantConfig | ComponentConfigs:
     """A flat config (it names a method) or a per-component one (its keys are component names)."""
     for name in spec:
         if not isinstance(name, str):
-            raise TypeError(f"Quantization config keys must be strings, got {show_value(name)}.")
+            raise TypeError(
+                f"Quantization config keys must be strings (component names or config keys), got the "
+                f"{type(name).__name__} {show_value(name)} (its value: {show_value(spec[name])}); quote it."
+            )
     method = method_of_mapping(spec, "the quantization config")
     if method is not None:
         return config_class(method).from_dict(spec)
@@ -135,19 +138,31 @@ def _parse_mapping(spec: Mapping) -> QuantConfig | ComponentConfigs:
     return _parse_components(spec)
 
 
-def _parse_components(spec: Mapping[str, Any]) -> ComponentConfigs:
-    components: dict[str, QuantConfig | None] = {}
-    for name, value in spec.items():
-        if value is not None and not isinstance(value, (str, Mapping, *CONFIG_TYPES)):
-            raise ValueError(
-                f"Per-component quantization config: the value of {name!r} must be a method name, a dict "
-                f"or null, got {show_value(value)}. A flat config needs a 'method' key."
-            )
+def _parse_component(name: str, value: Any) -> QuantConfig | None:
+    """One entry of a per-component config; errors name the component."""
+    if not name:
+        raise ValueError(
+            f"Per-component quantization config: a component name must be a non-empty string (a component "
+            f"of the pipeline, e.g. 'transformer', or 'default'), got {show_value(name)}."
+        )
+    if value is not None and not isinstance(value, (str, Mapping, *CONFIG_TYPES)):
+        raise ValueError(
+            f"Per-component quantization config: the value of {name!r} must be a method name, a dict "
+            f"or null, got {show_value(value)}. A flat config needs a 'method' key."
+        )
+    try:
         config = _parse_method_name(value) if isinstance(value, str) else parse_quantization(value)
-        if isinstance(config, ComponentConfigs):
-            raise ValueError(
-                f"Per-component quantization config: {name!r} cannot hold per-component configs."
-            )
-        components[name] = config
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"Per-component quantization config, component {name!r}: {exc}") from None
+    if isinstance(config, ComponentConfigs):
+        raise ValueError(
+            f"Per-component quantization config: {name!r} cannot hold per-component configs (its value "
+            f"{show_value(value)} names components, not a method); give it a method name or a dict with 'method'."
+        )
+    return config
+
+
+def _parse_components(spec: Mapping[str, Any]) -> ComponentConfigs:
+    components = {name: _parse_component(name, value) for name, value in spec.items()}
     default = components.pop("default", None)
     return ComponentConfigs(components, default)

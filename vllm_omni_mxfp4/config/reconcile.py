@@ -123,6 +123,20 @@ def checkpoint_method(checkpoint_qc: Mapping | str | None) -> tuple[str | None, 
     return method, None if method_only else checkpoint_qc
 
 
+def checkpoint_ignored_layers(checkpoint_qc: Mapping | str | None) -> tuple[str, ...]:
+    """The ``ignored_layers`` a checkpoint's ``quantization_config`` states itself (its storage
+    contract; the ``modules_to_not_convert`` alias included): what the engine takes from the
+    checkpoint whenever it states any (:func:`reconcile_with_checkpoint`). Empty when it states none,
+    is not one of our methods or cannot be read: those are reported where the config is built."""
+    try:
+        method, details = checkpoint_method(checkpoint_qc)
+        if method is None or details is None:
+            return ()
+        return config_class(method).from_dict(details).ignored_layers
+    except (TypeError, ValueError):
+        return ()
+
+
 def resolve_component(
     spec: QuantConfig | ComponentConfigs | None, component: str, checkpoint_qc: Mapping | str | None
 ) -> QuantConfig | None:

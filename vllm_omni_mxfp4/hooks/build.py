@@ -6,8 +6,9 @@
      built under that expert's plan (:func:`~.nvfp4_loading.plan_nvfp4_expert` with the class's own
      names, :func:`~.nvfp4_loading.serving`);
   2. the pipeline is built;
-  3. every component built with one of our configs has its layer names checked against the Linears
-     it holds (:func:`~.names.check_pipeline`): a typo in ``ignored_layers`` stops the engine here,
+  3. every component built with one of our configs has its checkpoint directory checked against
+     the model and the config (:mod:`.checkpoint_dir`) and its layer names against the Linears it
+     holds (:func:`~.names.check_pipeline`): a typo in ``ignored_layers`` stops the engine here,
      for every family, before any weight is read;
   4. the plan is attached to the transformer for the load (:func:`~.nvfp4_loading.attach`).
 
@@ -53,7 +54,7 @@ def _initializing(original: Callable) -> Callable:
         else:
             with serving(od_config, plan):
                 model = original(od_config, *args, **kwargs)
-        check_pipeline(model)
+        check_pipeline(model, getattr(od_config, "model", None))
         if plan is not None:
             attach(getattr(model, "transformer", None), plan)
         return model

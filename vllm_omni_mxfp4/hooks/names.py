@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import SUPPORTED_METHODS, QuantConfig
 from ..config.keys import METHOD_KEYS
-from ..config.names import check_component_names, check_model_names
+from ..config.names import STORAGE_RULE, check_component_names, check_model_names, describe_accepted
+from ..config.parse import parse_quantization
+from ..models.build import non_linear_modules
 from ..patching import wrap_once
+from .checkpoint_dir import CheckpointDir
 
 logger = logging.getLogger(__name__)
 
@@ -71,35 +75,54 @@ def _linear_names(component: torch.nn.Module) -> tuple[set[str], set[str], list[
     return names, plain, missing
 
 
-def check_built_model(component: torch.nn.Module, name: str = "") -> None:
+def check_built_model(component: torch.nn.Module, name: str = "", directory: Path | None = None) -> None:
     """Check the layer lists and leading-block count of every one of our configs that built
-    ``component`` (a transformer vLLM-Omni built; ``name`` its place in the pipeline) against it."""
+    ``component`` (a transformer vLLM-Omni built; ``name`` its place in the pipeline) against it.
+
+    ``directory``: the component's checkpoint directory, when local. Its files are checked against
+    the model and the configs first (:mod:`.checkpoint_dir`: storage, block count, description), and
+    the ``ignored_layers`` its ``config.json`` states are the checkpoint's storage contract, whose
+    entries may name modules that are not Linears (:data:`~vllm_omni_mxfp4.config.names.STORAGE_RULE`);
+    those are accepted and logged once."""
     configs = _our_configs(component)
     if not configs:
         return
+    where = f" ({name})" if name else ""
+    model = f"the {type(component).__name__}{where} vLLM-Omni built"
+    checkpoint = CheckpointDir.read(directory) if directory is not None else None
+    if checkpoint is not None:
+        checkpoint.check(component, configs, model)
     linears, plain, missing = _linear_names(component)
     blocks = getattr(component, "blocks", None)
     num_blocks = len(blocks) if isinstance(blocks, torch.nn.ModuleList) else None
-    where = f" ({name})" if name else ""
+    modules, storage = non_linear_modules(component), checkpoint.contract if checkpoint else ()
+    accepted: set[tuple[str, str]] = set()
     for config in configs:
-        check_model_names(
-            config,
-            linears,
-            num_blocks,
-            model=f"the {type(component).__name__}{where} vLLM-Omni built",
-            unverifiable=missing,
-            plain=plain,
-        )
+        accepted.update(
+            check_model_names(
+                config, linears, num_blocks, model=model, unverifiable=missing, plain=plain,
+                modules=modules, storage=storage,
+            )
+        )  # fmt: skip
+    if accepted:
+        logger.info(
+            "%s: ignored_layers lists %d modules that are not Linears: %s. They have no quantization method "
+            "and load as they are; accepted under the rule for %s.",
+            name or type(component).__name__, len(accepted), describe_accepted(accepted), STORAGE_RULE,
+        )  # fmt: skip
 
 
-def check_pipeline(pipeline: torch.nn.Module) -> None:
+def check_pipeline(pipeline: torch.nn.Module, model_dir: str | Path | None = None) -> None:
     """:func:`check_built_model` on each component of a pipeline vLLM-Omni built (and on the model
-    itself when it holds Linears directly)."""
+    itself when it holds Linears directly); ``model_dir`` the pipeline's directory, when local
+    (each component's checkpoint is its subdirectory)."""
+    root = Path(model_dir) if isinstance(model_dir, (str, Path)) and Path(model_dir).is_dir() else None
     children = list(pipeline.named_children())
     for name, child in children:
-        check_built_model(child, name)
+        directory = root / name if root is not None and (root / name).is_dir() else None
+        check_built_model(child, name, directory)
     if not children:
-        check_built_model(pipeline)
+        check_built_model(pipeline, directory=root)
 
 
 def check_wan_components(quant_config: Any, experts: tuple[str, ...] = WAN_EXPERTS, where: str = "") -> None:
@@ -139,6 +162,13 @@ def _names_our_method(value: object) -> bool:
     return False
 
 
+def _mentions_our_method(spec: Mapping[Any, Any]) -> bool:
+    """Whether a value of ``spec``, or of a dict nested in it, names ``mxfp4`` / ``mxfp4_dualscale``."""
+    return any(
+        _names_our_method(v) or (isinstance(v, Mapping) and _mentions_our_method(v)) for v in spec.values()
+    )
+
+
 def is_our_per_component_dict(spec: Mapping[str, Any]) -> bool:
     """A dict without a method key whose values are method names, dicts or ``null``, one of which
     names ``mxfp4`` / ``mxfp4_dualscale``: per-component, whatever vLLM-Omni's own test says."""
@@ -150,7 +180,22 @@ def is_our_per_component_dict(spec: Mapping[str, Any]) -> bool:
 
 
 def _accepting_our_dicts(original: Any) -> Any:
-    return lambda spec: original(spec) or is_our_per_component_dict(spec)
+    """vLLM-Omni's per-component test, plus ours; a dict without a method key that names one of our
+    methods anywhere is parsed by :func:`~vllm_omni_mxfp4.config.parse.parse_quantization` first, so
+    that a bad entry (a nested, integer or empty value, keys without a method, a non-string or empty
+    component name) is refused naming the component and the key, not with vLLM-Omni's generic
+    "Dict quantization config must have a 'method' ..." or Python's "keywords must be strings"."""
+
+    def run(spec: Any) -> bool:
+        if (
+            isinstance(spec, Mapping)
+            and not any(k in spec for k in METHOD_KEYS)
+            and _mentions_our_method(spec)
+        ):
+            parse_quantization(dict(spec))  # raises with the component and key named
+        return original(spec) or is_our_per_component_dict(spec)
+
+    return run
 
 
 def _checking_resolve(original: Any) -> Any:

@@ -116,6 +116,14 @@ def _required(record: spec.CheckpointTensor, lin: RuntimeLinear, quant: QuantCon
     return record.required
 
 
+def _layout(record: spec.CheckpointTensor, feed: Feed) -> spec.CheckpointTensor:
+    """The record of the layout a quantized Linear's tensor is stored in: an FP4 weight in a float
+    dtype is the numeric layout (E2M1 values, ``merge --weight-layout numeric``), which the loader packs."""
+    if record is spec.WEIGHT_FP4 and feed.ref.dtype in spec.WEIGHT_FP4_NUMERIC.dtypes:
+        return spec.WEIGHT_FP4_NUMERIC
+    return record
+
+
 def _check_quantized(lin: RuntimeLinear, feeds: list[Feed], quant: QuantConfig, packed: Mapping) -> list[str]:
     """An offline quantized Linear: per piece, the format's tensors (set, dtypes, shapes, values)."""
     records = {record.name: record for record in spec.checkpoint_tensors(lin.method)}
@@ -131,7 +139,7 @@ def _check_quantized(lin: RuntimeLinear, feeds: list[Feed], quant: QuantConfig, 
             elif role == BIAS and not lin.has_bias:
                 problems.append(f"{feed.ref.name}: a bias, but the model's Linear has none")
             else:
-                problems.extend(_check_record(feed, records[role], n, lin.in_features))
+                problems.extend(_check_record(feed, _layout(records[role], feed), n, lin.in_features))
         for record in records.values():
             if record.name not in got and _required(record, lin, quant):
                 problems.append(

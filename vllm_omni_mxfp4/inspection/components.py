@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_omni_mxfp4.config import Mxfp4Config, QuantConfig, check_model_names, reconcile_with_checkpoint
+from vllm_omni_mxfp4.config.names import STORAGE_RULE, describe_accepted
 from vllm_omni_mxfp4.config.reconcile import checkpoint_method
 from vllm_omni_mxfp4.errors import CheckpointError
 from vllm_omni_mxfp4.safetensors_io import WEIGHTS_BASENAME, TensorRef, diffusers_archive, open_archive
@@ -161,6 +162,27 @@ def _walk(report: ComponentReport, pipeline: str | None, config: dict, quant, ar
     return walk
 
 
+def _check_names(report: ComponentReport, quant: QuantConfig, walk: ModelWalk) -> None:
+    """The config's layer lists against the built model. Its ``ignored_layers`` is the checkpoint's
+    own (a BF16 checkpoint's online config has none), so the storage rule applies, as in the engine
+    with the same checkpoint: entries naming modules that are not Linears are accepted, and noted."""
+    if report.method and quant.ignored_layers:
+        report.names_rule = STORAGE_RULE
+    try:
+        accepted = check_model_names(
+            quant, [lin.name for lin in walk.linears], None, model=report.class_name,
+            modules=walk.modules, storage=quant.ignored_layers if report.method else (),
+        )  # fmt: skip
+    except ValueError as exc:
+        report.problems.append(f"config.json quantization_config: {exc}")
+        return
+    if accepted:
+        report.notes.append(
+            f"ignored_layers lists {len(accepted)} modules that are not Linears: {describe_accepted(accepted)}; "
+            "they load as they are (accepted: the checkpoint's own list is a storage contract)"
+        )
+
+
 def inspect_component(name: str, directory: Path, pipeline: str | None) -> ComponentReport:
     """The report of one component directory."""
     report = ComponentReport(name, str(directory))
@@ -184,10 +206,7 @@ def inspect_component(name: str, directory: Path, pipeline: str | None) -> Compo
     walk = _walk(report, pipeline, config, quant, archive)
     if walk is None:
         return report
-    try:
-        check_model_names(quant, [lin.name for lin in walk.linears], None, model=report.class_name)
-    except ValueError as exc:
-        report.problems.append(f"config.json quantization_config: {exc}")
+    _check_names(report, quant, walk)
     declared = quant if report.method else None  # a BF16 checkpoint declares no config
     report.layers = _rows(walk, archive, declared, nvfp4)
     skipped = attribute(walk, archive)[1]

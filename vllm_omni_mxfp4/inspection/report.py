@@ -72,6 +72,8 @@ class ComponentReport:
     method: str | None = None
     mode: str | None = None
     facts: dict[str, Any] = field(default_factory=dict)
+    #: The rule the layer lists were checked under (``vllm_omni_mxfp4.config.names``), when they list any.
+    names_rule: str | None = None
     layers: list[LayerRow] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -99,6 +101,7 @@ class ComponentReport:
             "method": self.method,
             "mode": self.mode,
             "facts": self.facts,
+            "names_rule": self.names_rule,
             "summary": self.summary(),
             "linears": [row.to_dict() for row in self.layers],
             "problems": self.all_problems(),
@@ -167,6 +170,8 @@ def _component_lines(c: ComponentReport) -> list[str]:
     if c.method:
         lines.append(f"  method: {c.method} {c.mode or ''}".rstrip())
     lines.extend(f"  {key}: {_fact_text(value)}" for key, value in c.facts.items())
+    if c.names_rule:
+        lines.append(f"  layer names checked as {c.names_rule}")
     if c.layers:
         width = max(len(row.name) for row in c.layers)
         lines.append(

@@ -30,6 +30,7 @@ def walk_model(
     from ..models.build import (
         build_on_meta,
         find_transformer_class,
+        non_linear_modules,
         runtime_linears,
         trace_loading,
         world_of_one,
@@ -49,4 +50,5 @@ def walk_model(
         walk = ModelWalk(class_name, cls.__module__, runtime_linears(model))
         walk.packed = {k: list(v) for k, v in dict(getattr(model, "packed_modules_mapping", {})).items()}
         walk.placements = trace_loading(model, tensors)
+        walk.modules = non_linear_modules(model)
     return walk

@@ -178,6 +178,40 @@ def runtime_linears(model: Any) -> list[RuntimeLinear]:
     return found
 
 
+def non_linear_modules(model: Any) -> dict[str, str]:
+    """The modules of ``model`` that are no Linear and hold none (norms, embeddings, convolutions,
+    activations), by name, with their class names: what a checkpoint's own ``ignored_layers`` may
+    name besides Linears (vLLM-Omni's merge script lists every weight without a ``weight_scale``).
+    A module that holds a Linear (a block, an attention) is not one of them: listing it would claim
+    BF16 for Linears it does not name."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    modules = dict(model.named_modules())
+    linears = [n for n, m in modules.items() if isinstance(m, (LinearBase, torch.nn.Linear))]
+    holders = {".".join(n.split(".")[:i]) for n in linears for i in range(n.count(".") + 1)}
+    return {
+        name: type(module).__name__
+        for name, module in modules.items()
+        if name and name not in holders and not isinstance(module, (LinearBase, torch.nn.Linear))
+    }
+
+
+def block_lists(model: Any) -> dict[str, int]:
+    """The model's top-level lists of blocks (``blocks``, ``transformer_blocks``...: ``ModuleList``
+    children whose every item holds parameters, or is another pipeline-parallel rank's slot) and
+    their lengths: the block counts its ``config.json`` asked for."""
+    found = {}
+    for name, child in model.named_children():
+        if not isinstance(child, torch.nn.ModuleList) or not len(child):
+            continue
+        if all(
+            type(item).__name__ == "PPMissingLayer" or next(item.parameters(), None) is not None
+            for item in child
+        ):
+            found[name] = len(child)
+    return found
+
+
 def trace_loading(model: Any, tensors: Mapping[str, tuple[str, tuple[int, ...]]]) -> dict[str, Placement]:
     """Where the model's own ``load_weights`` puts each checkpoint tensor (name -> (dtype, shape)).
 

@@ -11,7 +11,9 @@ The data (what :func:`derive_names` returns, what
   bool, "prefix": the name its quantization config sees}``. ``quantizable`` is whether the class
   hands the Linear our quantization config (it builds some without one: BF16 whatever a checkpoint
   says); ``prefix`` is what ``ignored_layers`` must name (Qwen-Image's ``attn.to_out`` module sees
-  ``attn.to_out.0``).
+  ``attn.to_out.0``);
+- ``block_lists``: the class's top-level block lists built from the config and their lengths
+  (:func:`~.build.block_lists`), which the merge compares with the blocks the original's tensors hold.
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ def _derive(key: str) -> str:
     from ..omni.routes import with_override
     from .build import (
         ProbeOverride,
+        block_lists,
         build_on_meta,
         find_transformer_class,
         runtime_linears,
@@ -177,6 +180,7 @@ def _derive(key: str) -> str:
             seen = set(probe.prefixes)
             linears = {linear.name: _linear(model, linear, seen) for linear in runtime_linears(model)}
             placed = trace_loading(model, {name: (dtype, tuple(shape)) for name, dtype, shape in tensors})
+            blocks = block_lists(model)
     data = {
         "model_class": cls.__name__,
         "module": cls.__module__,
@@ -185,6 +189,7 @@ def _derive(key: str) -> str:
             for name, p in placed.items()
         },
         "linears": linears,
+        "block_lists": blocks,
     }
     return json.dumps(data)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,36 @@ MODULE = "module"
 _ANY_BLOCK_RE = re.compile(r"^(?:[A-Za-z0-9_]*blocks)\.(0|[1-9][0-9]*)\.")
 
 
+def disagreeing_blocks(lists: Mapping[str, int], names: Iterable[str]) -> tuple[str, int, list[int]] | None:
+    """The first block list of ``lists`` (path -> blocks built from ``config.json``) whose blocks
+    differ from those tensors ``names`` hold (``<path>.<i>.*``), as ``(path, built, held)``; None
+    when every list the tensors populate agrees."""
+    names = list(names)
+    for path, built in lists.items():
+        pattern = re.compile(rf"^{re.escape(path)}\.(\d+)\.")
+        held = sorted({int(m.group(1)) for m in map(pattern.match, names) if m})
+        if held and held != list(range(built)):
+            return path, built, held
+    return None
+
+
+def block_spans(indices: Iterable[int]) -> str:
+    """``0-1`` or ``0-2, 4``: block indices as ranges."""
+    spans: list[list[int]] = []
+    for i in sorted(indices):
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def layer_count_keys(config: Mapping[str, Any], built: int) -> str:
+    """`` (num_layers=3)``: the ``config.json`` keys that may have set a block count of ``built``."""
+    keys = [f"{k}={v}" for k, v in config.items() if isinstance(v, int) and v == built and "layer" in k]
+    return f" ({', '.join(keys)})" if keys else ""
+
+
 @dataclass(frozen=True)
 class ModelNames:
     """One transformer's names: export -> diffusers, and diffusers -> vLLM-Omni runtime.
@@ -62,6 +92,8 @@ class ModelNames:
     export_names: str
     tensors: dict[str, dict]
     linears: dict[str, dict]
+    #: The class's top-level block lists built from ``config.json``, with their lengths.
+    block_lists: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict, export_names: str) -> ModelNames:
@@ -76,7 +108,13 @@ class ModelNames:
                 f"model name data lacks {problems or 'dict tensors/linears'}; it must come from "
                 "vllm_omni_mxfp4.models.derive_names"
             )
-        return cls(str(data["model_class"]), export_names, dict(data["tensors"]), dict(data["linears"]))
+        return cls(
+            str(data["model_class"]),
+            export_names,
+            dict(data["tensors"]),
+            dict(data["linears"]),
+            dict(data.get("block_lists") or {}),
+        )
 
     def runtime_module(self, layer: str) -> str | None:
         """The runtime module the model loads diffusers module ``layer``'s weight into (None: none)."""

@@ -63,3 +63,5 @@ class ModelWalk:
     linears: list[RuntimeLinear]
     placements: dict[str, Placement] = field(default_factory=dict)
     packed: dict[str, list[str]] = field(default_factory=dict)
+    #: The modules that are no Linear and hold none (norms, embeddings...), by name: class name.
+    modules: dict[str, str] = field(default_factory=dict)
