@@ -31,6 +31,7 @@ LONGEST = (
     "tests/models/",
     "tests/omni/test_omni_e2e.py",  # before the other users of the shared BF16 run
     "tests/hooks/test_omni_names_e2e.py",
+    "tests/hooks/test_upstream_checkpoints.py",
     "tests/platform/test_serve_component_configs.py",
     "tests/omni/test_wan_tp2.py",
     "tests/omni/test_tensor_parallel.py",
