@@ -23,6 +23,7 @@ import torch
 
 from tests.support.layers import checkpoint_variant, mxfp8_dir, offline_dirs
 from tests.support.models import table_tool
+from tests.support.nvfp4.checkpoints import MODELOPT_FIXTURES
 from vllm_omni_mxfp4.cli import main
 from vllm_omni_mxfp4.inspection import format_table, inspect_path
 
@@ -33,7 +34,7 @@ pytest.importorskip(
     "vllm_omni", reason="vllm / vllm-omni not installed: inspect builds vLLM-Omni's model classes"
 )
 
-FIXTURES = Path(__file__).resolve().parents[1] / "nvfp4" / "fixtures" / "modelopt"
+FIXTURES = MODELOPT_FIXTURES
 QKV = "blocks.0.attn1.to_qkv"
 
 
