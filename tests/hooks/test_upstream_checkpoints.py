@@ -49,7 +49,7 @@ UNSMOOTHED = {"transformer": "blocks.1.ffn.net.2", "transformer_2": "blocks.0.at
 
 
 def _specs():
-    from vllm_omni_mxfp4_demo.tiny.msmodelslim_export import NON_BLOCK_EXCLUDES, ExpertSpec, all_linears
+    from vllm_omni_mxfp4_tiny.msmodelslim_export import NON_BLOCK_EXCLUDES, ExpertSpec, all_linears
 
     return {
         "transformer": ExpertSpec(
@@ -75,7 +75,7 @@ def _specs():
 def _single_specs():
     """Single-scale, Smooth on every quantized Linear (vLLM-Omni's single-scale importer takes Smooth
     on all of an expert's quantized Linears or on none)."""
-    from vllm_omni_mxfp4_demo.tiny.msmodelslim_export import NON_BLOCK_EXCLUDES, ExpertSpec, all_linears
+    from vllm_omni_mxfp4_tiny.msmodelslim_export import NON_BLOCK_EXCLUDES, ExpertSpec, all_linears
 
     return {
         "transformer": ExpertSpec(
@@ -97,8 +97,8 @@ def exports(tmp_path_factory):
     :func:`single_scale`), so both are built before the module's process group exists
     (msModelSlim's savers write per-rank directories under one)."""
     pytest.importorskip("msmodelslim")
-    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
-    from vllm_omni_mxfp4_demo.tiny.msmodelslim_export import export_pipeline
+    from vllm_omni_mxfp4_tiny import build_tiny_wan
+    from vllm_omni_mxfp4_tiny.msmodelslim_export import export_pipeline
 
     original, root = build_tiny_wan(2), tmp_path_factory.mktemp("exports")
     export_pipeline(original, root / "dual", _specs())
@@ -227,7 +227,7 @@ def test_a_checkpoint_entry_that_names_no_module_is_still_refused(
 def test_a_users_list_naming_a_norm_is_refused(vllm_env, merged_twice):
     """The same norm name the checkpoint may list is refused in a list the user passes (online here:
     the BF16 original, whose config.json states no list)."""
-    from vllm_omni_mxfp4_demo.tiny import build_tiny_wan
+    from vllm_omni_mxfp4_tiny import build_tiny_wan
 
     spec = {
         "method": "mxfp4_dualscale",

@@ -162,6 +162,19 @@ def _names_our_method(value: object) -> bool:
     return False
 
 
+def _names_another_upstream_method(value: object) -> bool:
+    """Whether ``value`` (a component's method name or dict) names a method vLLM-Omni serves itself
+    (``fp8``, ...): such a component is vLLM-Omni's to parse, next to ours."""
+    from vllm_omni.quantization.factory import SUPPORTED_QUANTIZATION_METHODS
+
+    method = value if isinstance(value, str) else None
+    if isinstance(value, Mapping):
+        method = next((value[k] for k in METHOD_KEYS if isinstance(value.get(k), str)), None)
+    if method is None or _names_our_method(method):
+        return False
+    return method.strip().lower() in SUPPORTED_QUANTIZATION_METHODS
+
+
 def _mentions_our_method(spec: Mapping[Any, Any]) -> bool:
     """Whether a value of ``spec``, or of a dict nested in it, names ``mxfp4`` / ``mxfp4_dualscale``."""
     return any(
@@ -192,7 +205,8 @@ def _accepting_our_dicts(original: Any) -> Any:
             and not any(k in spec for k in METHOD_KEYS)
             and _mentions_our_method(spec)
         ):
-            parse_quantization(dict(spec))  # raises with the component and key named
+            # raises with the component and key named; another method of vLLM-Omni's is its to check
+            parse_quantization({k: v for k, v in spec.items() if not _names_another_upstream_method(v)})
         return original(spec) or is_our_per_component_dict(spec)
 
     return run

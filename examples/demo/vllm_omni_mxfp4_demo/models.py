@@ -66,7 +66,7 @@ def _builder(module: str, function: str) -> Callable[[], Path]:
     def build() -> Path:
         import importlib
 
-        return getattr(importlib.import_module(f"{__package__}.tiny.{module}"), function)()
+        return getattr(importlib.import_module(f"vllm_omni_mxfp4_tiny.{module}"), function)()
 
     return build
 
