@@ -93,7 +93,8 @@ def longest_first(items: list[pytest.Item], groups: dict[pytest.Item, str]) -> l
 
 def assign_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every item with its group and order them (only in an xdist worker under loadgroup)."""
-    if not hasattr(config, "workerinput") or config.getoption("dist", "no") != "loadgroup":
+    # In a worker xdist sets the option dist to "no" and records --dist loadgroup as the option loadgroup.
+    if not hasattr(config, "workerinput") or not config.getoption("loadgroup", False):
         return
     groups = {item: group_of(item) for item in items}
     for item, group in groups.items():

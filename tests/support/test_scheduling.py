@@ -108,3 +108,52 @@ def test_a_port_in_use_is_skipped(monkeypatch):
         busy.listen()
         monkeypatch.setattr(ports.random, "randrange", lambda n: 0)  # start the search at the busy port
         assert ports.free_port() == start + ports.STRIDE
+
+
+def test_a_real_xdist_run_keeps_each_group_in_one_worker(tmp_path):
+    """Under ``-n 2 --dist loadgroup`` the workers' node ids carry the groups, and every test of a
+    file runs in the worker that runs the rest of it (xdist's default would spread them)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts =\n")
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\nfrom tests.support.scheduling import assign_groups\n\n"
+        "@pytest.hookimpl(tryfirst=True)\n"
+        "def pytest_collection_modifyitems(config, items):\n    assign_groups(config, items)\n"
+    )
+    for name in ("a", "b"):
+        (tmp_path / f"test_{name}.py").write_text(
+            "import os, pytest\n\n@pytest.mark.parametrize('i', range(8))\n"
+            f"def test_{name}(i):\n"
+            f"    with open({str(tmp_path / name)!r}, 'a') as f:\n"
+            "        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+        )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            ".",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "test_a.py::test_a[0]@test_a.py" in run.stdout, run.stdout
+    for name in ("a", "b"):
+        workers = set((tmp_path / name).read_text().split())
+        assert len(workers) == 1, (name, workers, run.stdout)
