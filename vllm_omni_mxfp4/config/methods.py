@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, fields
 from types import MappingProxyType
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from .keys import (
     KEY_ALIASES,
@@ -300,6 +300,15 @@ QuantConfig = Mxfp4Config | Mxfp4DualScaleConfig
 CONFIG_TYPES = (Mxfp4Config, Mxfp4DualScaleConfig)
 CONFIG_CLASSES: Mapping[str, type[QuantConfig]] = MappingProxyType({cls.METHOD: cls for cls in CONFIG_TYPES})
 SUPPORTED_METHODS = tuple(CONFIG_CLASSES)
+
+
+class RouteOverride(Protocol):
+    """Changes the route of the Linear ``prefix`` (and the config its method gets), for a reason the
+    config cannot know: a family's BF16 default, an NVFP4 checkpoint's plan (``omni.routes``)."""
+
+    def override(self, prefix: str, route: LayerRoute, config: QuantConfig) -> tuple[LayerRoute, QuantConfig]:
+        """The route and config the Linear ``prefix`` runs with, given those decided so far."""
+        ...
 
 
 def config_class(method: str) -> type[QuantConfig]:

@@ -26,7 +26,7 @@ from .mxfp4_dualscale import Mxfp4DualScaleLinearMethod
 from .mxfp8 import Mxfp8LinearMethod
 
 if TYPE_CHECKING:
-    from .routes import RouteOverride
+    from ..config.methods import RouteOverride
 
 
 class MxQuantizationConfig(QuantizationConfig):

@@ -8,7 +8,7 @@ Two things the config cannot know change that route where the model is built:
 - an NVFP4 checkpoint being served with ``mxfp4`` (the hooks' ``Nvfp4Plan``: a layer stored NVFP4 is
   requantized and served offline, one stored unquantized runs in BF16).
 
-Both are a :class:`RouteOverride` attached to a copy of the vLLM config (:func:`with_override`) by
+Both are a :class:`~vllm_omni_mxfp4.config.methods.RouteOverride` attached to a copy of the vLLM config (:func:`with_override`) by
 the code that builds the model; :meth:`MxQuantizationConfig.get_quant_method` applies the overrides
 in the order they were attached. Nothing is read from a global: the config a class is built with
 says everything about how its Linears run.
@@ -18,23 +18,15 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from ..config import LayerRoute, QuantConfig
 from ..config.defaults import FAMILY_DEFAULTS, FamilyDefault
+from ..config.methods import RouteOverride
 
 if TYPE_CHECKING:
     from .quant_config import MxQuantizationConfig
 
 logger = logging.getLogger(__name__)
-
-
-class RouteOverride(Protocol):
-    """Changes the route of the Linear ``prefix`` (and the config its method gets)."""
-
-    def override(self, prefix: str, route: LayerRoute, config: QuantConfig) -> tuple[LayerRoute, QuantConfig]:
-        """The route and config the Linear ``prefix`` runs with, given those decided so far."""
-        ...
 
 
 def with_override(quant_config: MxQuantizationConfig, override: RouteOverride) -> MxQuantizationConfig:
