@@ -414,3 +414,17 @@ def test_errors_raised_outside_vllm_keep_their_own_message():
 
     with pytest.raises(RuntimeError, match="^a kernel failed$"):
         guarded_load_weights(torch.nn.Module(), load_weights, [("blocks.0.attn2.to_q.weight", torch.ones(2))])
+
+
+def test_the_copy_counter_counts_one_storage_and_refuses_a_process_without_dispatch_modes():
+    from torch.utils._mode_utils import no_dispatch
+
+    from vllm_omni_mxfp4.omni.loading import CopyCounter
+
+    target, other = torch.zeros(4, 8), torch.zeros(4, 8)
+    with CopyCounter(target) as counter:
+        target[1:3].copy_(torch.ones(2, 8))
+        other.copy_(torch.ones(4, 8))  # another storage: not counted
+    assert counter.count == 16
+    with no_dispatch(), pytest.raises(RuntimeError, match="does not run dispatch modes"), CopyCounter(target):
+        target.copy_(torch.ones(4, 8))
