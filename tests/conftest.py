@@ -10,6 +10,10 @@ It is module-scoped: the process group is torn down after each module, because o
 runs in the same pytest process (msModelSlim's quantizers) changes behaviour when
 ``torch.distributed`` is initialized.
 
+``caplog`` also sees records that end at vLLM's logger: once vLLM has configured logging, the
+package's logger (and vLLM-Omni's) is a child of ``vllm``, which does not propagate to the root
+logger where pytest's handler sits (autouse, for tests that ask for ``caplog``).
+
 Under pytest-xdist (``scripts/test.sh``), every test is put in a group of tests that share what is
 expensive to build, and the longest groups start first: :mod:`tests.support.scheduling`.
 """
@@ -17,6 +21,7 @@ expensive to build, and the longest groups start first: :mod:`tests.support.sche
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import pytest
 import torch
@@ -24,6 +29,20 @@ import torch
 from tests.support.ports import free_port
 from tests.support.scheduling import assign_groups
 from tests.support.tp_ranks import RankEnv
+
+
+@pytest.fixture(autouse=True)
+def _caplog_sees_vllm_children(request: pytest.FixtureRequest):
+    if "caplog" not in request.fixturenames:
+        yield
+        return
+    handler = request.getfixturevalue("caplog").handler
+    vllm_root = logging.getLogger("vllm")
+    vllm_root.addHandler(handler)
+    try:
+        yield
+    finally:
+        vllm_root.removeHandler(handler)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
