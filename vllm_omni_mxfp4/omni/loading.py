@@ -57,22 +57,20 @@ _LOAD_DTYPES: dict[str, tuple[str, ...]] = {
 class CopyCounter(TorchDispatchMode):
     """Counts the elements copied into one storage while a loader runs.
 
-    On entry it copies one element into a buffer of its own and checks that it saw that copy: if
-    something in the process has switched Python dispatch off (a leaked ``no_dispatch`` guard),
-    every load would otherwise look incomplete ("0 of N elements were loaded")."""
+    On entry it runs one op of its own and checks that it saw it: if something in the process has
+    switched Python dispatch off (a leaked ``no_dispatch`` guard), every load would otherwise look
+    incomplete ("0 of N elements were loaded")."""
 
     def __init__(self, target: torch.Tensor) -> None:
         super().__init__()
         self.ptr = target.untyped_storage().data_ptr()
         self.count = 0
+        self.ops = 0
 
     def __enter__(self) -> CopyCounter:
         super().__enter__()
-        probe = torch.zeros(1)
-        self.ptr, target_ptr = probe.untyped_storage().data_ptr(), self.ptr
-        probe.copy_(torch.ones(1))
-        seen, self.ptr, self.count = self.count, target_ptr, 0
-        if seen != 1:
+        torch.zeros(1).add_(1)
+        if not self.ops:
             super().__exit__(None, None, None)
             raise RuntimeError(
                 "vllm-omni-mxfp4 counts the elements a loader writes with a torch dispatch mode, and this "
@@ -82,6 +80,7 @@ class CopyCounter(TorchDispatchMode):
         return self
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
         if func is torch.ops.aten.copy_.default and args[0].untyped_storage().data_ptr() == self.ptr:
             self.count += args[0].numel()
         return func(*args, **(kwargs or {}))

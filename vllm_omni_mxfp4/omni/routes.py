@@ -8,8 +8,8 @@ Two things the config cannot know change that route where the model is built:
 - an NVFP4 checkpoint being served with ``mxfp4`` (the hooks' ``Nvfp4Plan``: a layer stored NVFP4 is
   requantized and served offline, one stored unquantized runs in BF16).
 
-Both are a :class:`~vllm_omni_mxfp4.config.methods.RouteOverride` attached to a copy of the vLLM config (:func:`with_override`) by
-the code that builds the model; :meth:`MxQuantizationConfig.get_quant_method` applies the overrides
+Both are a :class:`~vllm_omni_mxfp4.config.methods.RouteOverride` attached to a copy of the vLLM
+config (:func:`with_override`) by the code that builds the model; :meth:`MxQuantizationConfig.get_quant_method` applies the overrides
 in the order they were attached. Nothing is read from a global: the config a class is built with
 says everything about how its Linears run.
 """
