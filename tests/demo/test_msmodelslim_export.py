@@ -3,7 +3,9 @@ tests/checkpoint, which merge and load what it writes)."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 
@@ -74,3 +76,31 @@ def test_bad_inputs_are_refused(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "vae": ["x", "y"]}))
     with pytest.raises(ValueError, match="lists no transformer"):
         exporter.export_pipeline(tmp_path, tmp_path / "new")
+
+
+class _Node:
+    """A tracked object that can be put in a reference cycle (garbage only a collection frees)."""
+
+    def __init__(self) -> None:
+        self.other: _Node | None = None
+
+
+def _cycle() -> weakref.ref:
+    first, second = _Node(), _Node()
+    first.other, second.other = second, first
+    return weakref.ref(first)
+
+
+def test_collections_inside_the_block_skip_older_objects_only():
+    """msModelSlim's per-processor gc.collect() inside the block frees what the block made and leaves
+    older objects for the first collection after it (msmodelslim_export.collections_skip_older_objects)."""
+    older_cycle = _cycle()  # unreachable already, but a cycle: alive until a collection
+    with exporter.collections_skip_older_objects():
+        assert gc.get_freeze_count() > 0
+        newer_cycle = _cycle()
+        gc.collect()
+        assert newer_cycle() is None
+        assert older_cycle() is not None
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert older_cycle() is None

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_omni_mxfp4_tiny.msmodelslim_export import collections_skip_older_objects
+
 #: The quantizer settings of the user guide's two MXFP4 forms (per qconfig: act and weight).
 SINGLE_SCALE = {
     "act": {"scope": "per_block", "dtype": "mxfp4", "symmetric": True, "method": "minmax"},
@@ -63,7 +65,8 @@ def run_service(config: dict, adapter, save_path: Path) -> None:
     try:  # the adapter's argument parsing creates its default output_dir in the working directory
         os.chdir(save_path.parent)
         quant_service.LayerWiseRunner = functools.partial(runner, offload_device="cpu")
-        service.quant_process(validated, adapter, save_path, DeviceType.CPU)
+        with collections_skip_older_objects():  # the runner's gc.collect() per processor
+            service.quant_process(validated, adapter, save_path, DeviceType.CPU)
     finally:
         quant_service.LayerWiseRunner = runner
         os.chdir(cwd)

@@ -43,6 +43,7 @@ from .cache import cache_root, content_key
 from .msmodelslim_export import (
     EXPERT_FOLDERS,
     OriginalWan,
+    collections_skip_older_objects,
     load_transformer,
     original_name,
     pipeline_transformers,
@@ -182,7 +183,7 @@ def _quantize(adapter, name: str, model: nn.Module, recipe: Path, save_dir: Path
     runner = LayerWiseRunner(adapter=sub, offload_device="cpu")
     for processor in [*config.spec.process, *config.spec.save]:
         runner.add_processor(processor_cfg=processor)
-    with sub.quantization_context():
+    with sub.quantization_context(), collections_skip_older_objects():
         runner.run(calib_data=None, device=DeviceType.CPU, model=model)
 
 
