@@ -94,13 +94,17 @@ def _cycle() -> weakref.ref:
 def test_collections_inside_the_block_skip_older_objects_only():
     """msModelSlim's per-processor gc.collect() inside the block frees what the block made and leaves
     older objects for the first collection after it (msmodelslim_export.collections_skip_older_objects)."""
-    older_cycle = _cycle()  # unreachable already, but a cycle: alive until a collection
-    with exporter.collections_skip_older_objects():
-        assert gc.get_freeze_count() > 0
-        newer_cycle = _cycle()
+    gc.disable()  # no automatic collection between the steps below: only the explicit ones
+    try:
+        older_cycle = _cycle()  # unreachable already, but a cycle: alive until a collection
+        with exporter.collections_skip_older_objects():
+            assert gc.get_freeze_count() > 0
+            newer_cycle = _cycle()
+            gc.collect()
+            assert newer_cycle() is None
+            assert older_cycle() is not None
+        assert gc.get_freeze_count() == 0
         gc.collect()
-        assert newer_cycle() is None
-        assert older_cycle() is not None
-    assert gc.get_freeze_count() == 0
-    gc.collect()
-    assert older_cycle() is None
+        assert older_cycle() is None
+    finally:
+        gc.enable()

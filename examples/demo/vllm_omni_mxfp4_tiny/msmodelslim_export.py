@@ -91,10 +91,11 @@ def collections_skip_older_objects() -> Iterator[None]:
     msModelSlim's ``LayerWiseRunner`` calls ``gc.collect()`` after every processor of every block (to
     free device memory on an NPU). A full collection walks every object the process tracks, and a
     process that has imported torch, transformers and diffusers (a test worker: vLLM too) tracks
-    millions: about 0.3 s per call, 95 % of a tiny recipe run. ``gc.freeze()`` moves the objects that
+    millions: about 0.3 s per call, 94 % of a tiny recipe run. ``gc.freeze()`` moves the objects that
     exist on entry to the permanent generation, which collections skip; ``gc.unfreeze()`` hands them
     back on exit. What the run computes is unchanged; only garbage from before the block that turns
-    unreachable inside it waits until the next collection after the block.
+    unreachable inside it waits until the next collection after the block. Not reentrant: the
+    inner block's exit would unfreeze the outer one's objects.
     """
     gc.freeze()
     try:
