@@ -1,0 +1,190 @@
+"""The trained tiny models' synthetic task (:mod:`vllm_omni_mxfp4_tiny.task`) and its detector
+(:mod:`vllm_omni_mxfp4_tiny.detect`): prompts, renders with known answers, wrong renders and noise."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from vllm_omni_mxfp4_tiny import detect, task
+
+VIDEO = task.VideoPrompt("red", "circle", "left", "slowly", "black")
+IMAGE = task.ImagePrompt("green", "triangle", "top right", "gray")
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def test_every_prompt_reads_back_from_its_text():
+    for prompt in task.video_prompts():
+        assert task.VideoPrompt.parse(prompt.text) == prompt
+    for prompt in task.image_prompts():
+        assert task.ImagePrompt.parse(prompt.text) == prompt
+    assert VIDEO.text == "a red circle moving left slowly on a black background"
+    assert IMAGE.text == "a green triangle at the top right on a gray background"
+    assert dataclasses.replace(IMAGE, position="center").text.endswith("in the center on a gray background")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a red circle moving left slowly on a black",  # cut short
+        "a red circle going left slowly on a black background",
+        "one red circle moving left slowly on a black background",
+    ],
+)
+def test_a_malformed_video_prompt_names_the_expected_form(text):
+    with pytest.raises(ValueError, match="expected 'a COLOUR SHAPE moving DIRECTION SPEED on a BACKGROUND"):
+        task.VideoPrompt.parse(text)
+
+
+def test_a_word_outside_the_vocabulary_is_refused_by_field():
+    with pytest.raises(
+        ValueError, match=r"colour 'purple' is not in the task's vocabulary \['blue', 'green'"
+    ):
+        task.VideoPrompt.parse(VIDEO.text.replace("red", "purple"))
+    with pytest.raises(ValueError, match="position 'middle left' is not in the task's vocabulary"):
+        task.ImagePrompt.parse(IMAGE.text.replace("top right", "middle left"))
+    with pytest.raises(ValueError, match="expected 'a COLOUR SHAPE at the POSITION"):
+        task.ImagePrompt.parse(IMAGE.text.replace("at the", "near the"))
+
+
+def test_held_out_pairs_never_appear_in_training_prompts():
+    train, held = task.video_prompts(held_out=False), task.video_prompts(held_out=True)
+    assert len(train) + len(held) == len(task.video_prompts()) == 4 * 3 * 4 * 2 * 2
+    assert {(p.colour, p.shape) for p in held} == set(task.HELD_OUT_PAIRS)
+    assert not {(p.colour, p.shape) for p in train} & task.HELD_OUT_PAIRS
+    # every colour and every shape is still seen in training, only the pairs are new
+    assert {p.colour for p in train} == set(task.COLOURS) and {p.shape for p in train} == set(task.SHAPES)
+    images = task.image_prompts(held_out=True)
+    assert images and all((p.colour, p.shape) in task.HELD_OUT_PAIRS for p in images)
+
+
+# ----------------------------------------------------------------------------- renderer
+
+
+@pytest.mark.parametrize(("shape", "area"), [("square", 4.0), ("circle", math.pi), ("triangle", 2.0)])
+def test_coverage_integrates_to_the_shapes_area(shape, area):
+    """The anti-aliased coverage sums to the analytic area (r² × 4, π, 2) within the 1/4-pixel
+    supersampling grid (3 % at this size)."""
+    radius = 6.3
+    coverage = task.shape_coverage(shape, 16.2, 15.7, radius, 32, 32)
+    assert coverage.min() >= 0.0 and coverage.max() == 1.0
+    assert coverage.sum() == pytest.approx(area * radius * radius, rel=0.03)
+    assert coverage[coverage < 1.0].max() > 0.0  # edges are partial
+
+
+def test_renders_are_deterministic_in_the_seed_and_stay_inside_the_frame():
+    first, again, other = (task.render_video(VIDEO, s) for s in (3, 3, 4))
+    assert first.shape == (9, 32, 32, 3) and first.dtype == np.float32
+    assert np.array_equal(first, again) and not np.array_equal(first, other)
+    for prompt in task.video_prompts()[::7]:
+        video = task.render_video(prompt, 11, frames=17, height=48, width=64)
+        background = np.asarray(task.BACKGROUNDS[prompt.background], dtype=np.float32)
+        border = np.concatenate([video[:, 0], video[:, -1], video[:, :, 0], video[:, :, -1]], axis=1)
+        assert np.allclose(border, background, atol=1e-6), prompt.text
+
+
+def test_the_shape_travels_its_speeds_share_of_the_frame():
+    for speed, share in task.SPEEDS.items():
+        for direction, axis, extent in (("right", 2, 40), ("down", 1, 24)):
+            prompt = dataclasses.replace(VIDEO, direction=direction, speed=speed)
+            video = task.render_video(prompt, 5, frames=9, width=40, height=24)
+            mass = np.linalg.norm(video - np.asarray(task.BACKGROUNDS["black"]), axis=-1)
+            index = np.arange(video.shape[axis]).reshape((1, -1, 1) if axis == 1 else (1, 1, -1))
+            centre = (mass * index).sum(axis=(1, 2)) / mass.sum(axis=(1, 2))
+            assert np.diff(centre) == pytest.approx(np.full(8, share * extent / 8), abs=0.05), (
+                speed,
+                direction,
+            )
+
+
+# ----------------------------------------------------------------------------- detector
+
+
+def test_every_rendered_video_is_read_as_prompted():
+    pairs = [(p, task.render_video(p, seed)) for p in task.video_prompts() for seed in (0, 1)]
+    accuracy = detect.prompt_accuracy(pairs)
+    assert accuracy.value == 1.0 and accuracy.outputs == 2 * len(task.video_prompts())
+    assert set(accuracy.per_attribute) == {"colour", "shape", "direction", "speed", "background"}
+
+
+def test_every_rendered_image_is_read_as_prompted_at_two_sizes():
+    for height, width in ((32, 32), (48, 64)):
+        pairs = [
+            (p, task.render_image(p, s, height=height, width=width))
+            for p in task.image_prompts()
+            for s in range(3)
+        ]
+        assert detect.prompt_accuracy(pairs).value == 1.0, (height, width)
+
+
+def test_the_engine_output_layout_is_read_too():
+    video = task.render_video(VIDEO, 2)
+    assert detect.read(video[None]) == detect.read(video)
+
+
+def test_wrong_renders_fail_on_the_attribute_that_is_wrong():
+    for wrong in (
+        dataclasses.replace(VIDEO, colour="blue"),
+        dataclasses.replace(VIDEO, shape="square"),
+        dataclasses.replace(VIDEO, direction="up"),
+        dataclasses.replace(VIDEO, speed="quickly"),
+        dataclasses.replace(VIDEO, background="gray"),
+    ):
+        got = detect.matches(VIDEO, detect.read(task.render_video(wrong, 0)))
+        assert [name for name, ok in got.items() if not ok] == [
+            name for name in got if getattr(wrong, name) != getattr(VIDEO, name)
+        ], wrong.text
+    reversed_video = task.render_video(VIDEO, 0)[::-1]
+    assert detect.read(reversed_video).direction == "right"
+    moved = task.render_image(dataclasses.replace(IMAGE, position="bottom left"), 0)
+    assert detect.matches(IMAGE, detect.read(moved)) == {
+        "colour": True,
+        "shape": True,
+        "position": False,
+        "background": True,
+    }
+
+
+def test_noise_and_empty_frames_show_nothing():
+    rng = np.random.default_rng(0)
+    for pixels in (
+        rng.random((9, 32, 32, 3), dtype=np.float32),
+        np.zeros((9, 32, 32, 3), np.float32),
+        np.full((32, 32, 3), 0.5, np.float32),
+    ):
+        reading = detect.read(pixels)
+        assert (reading.colour, reading.shape, reading.direction, reading.position) == (
+            None,
+            None,
+            None,
+            None,
+        )
+    noise = [(p, rng.random((9, 32, 32, 3), dtype=np.float32)) for p in task.video_prompts()[:20]]
+    assert detect.prompt_accuracy(noise).value == 0.0
+
+
+def test_a_still_shape_has_no_motion():
+    frame = task.render_image(IMAGE, 0)
+    reading = detect.read(np.stack([frame] * 9))
+    assert (reading.colour, reading.shape, reading.direction, reading.speed) == (
+        "green",
+        "triangle",
+        None,
+        None,
+    )
+
+
+def test_bad_pixels_are_refused_with_what_was_expected():
+    with pytest.raises(
+        ValueError, match=r"expected \(F, H, W, 3\) or \(H, W, 3\) RGB in \[0, 1\], got shape \(9, 32, 32\)"
+    ):
+        detect.read(np.zeros((9, 32, 32), np.float32))
+    video = task.render_video(VIDEO, 0)
+    video[3, 4, 5, 1] = np.nan
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        detect.read(video)
