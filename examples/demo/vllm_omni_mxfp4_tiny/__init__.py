@@ -15,9 +15,13 @@ more user of it.
   keys, atomic builds) and :mod:`.parts` (offline tokenizers, seeded BF16 modules);
 - :mod:`.msmodelslim_export`, :mod:`.msmodelslim_recipes`: real msModelSlim exports of a diffusers
   Wan2.2 pipeline, made on CPU (imported on their own: they need torch, and msModelSlim when run);
+- :mod:`.task`, :mod:`.detect`: the synthetic task trained tiny models learn (prompts from a small
+  vocabulary, seeded renders of them) and a detector with no learned weights that reads a prompt
+  back from the pixels (prompt accuracy);
 - :mod:`.engine_job`: ``Omni`` once, frames saved, in a process of its own
   (``python -m vllm_omni_mxfp4_tiny.engine_job JOB.json``);
-- :mod:`.runner`: bounded subprocesses whose process groups are reaped (the engine job among them).
+- :mod:`.runner`: bounded subprocesses whose process groups are reaped (the engine job among them);
+  engine jobs are forked from a warm :mod:`.engine_host`, which imports vLLM-Omni once.
 
 Importing this package imports nothing heavy; torch, diffusers, vLLM-Omni and msModelSlim are
 imported where a model is built or run.

@@ -7,18 +7,27 @@ leaves orphaned workers behind. The demo runs each mode this way, and the engine
 engines, servers and documentation blocks through the same two functions.
 
 :func:`run_engine_job` runs :mod:`vllm_omni_mxfp4_tiny.engine_job` (one ``Omni``, its frames
-saved) as such a command and returns what the job reported.
+saved) as such a command and returns what the job reported. By default the job is forked from a warm
+:mod:`~vllm_omni_mxfp4_tiny.engine_host` (one per environment, started on first use, ended when this
+process exits), which saves the ~12 s that importing vLLM-Omni costs every fresh process; the job
+still gets a process, a session and a log of its own, so deadlines and reaping work the same.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import json
+import logging
 import os
+import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,7 +35,10 @@ from typing import Any
 
 import psutil
 
+from .engine_host import HOSTED_MODULES, LATE_VARIABLES
 from .engine_job import Job
+
+logger = logging.getLogger(__name__)
 
 
 class RunFailed(RuntimeError):
@@ -77,7 +89,9 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def reap_group(proc: subprocess.Popen, *, settle: float = 10.0, term_grace: float = 20.0) -> list[int]:
+def reap_group(
+    proc: subprocess.Popen | HostedProcess, *, settle: float = 10.0, term_grace: float = 20.0
+) -> list[int]:
     """End the process group led by ``proc`` (started with ``start_new_session=True``).
 
     A leader still running gets SIGTERM at once. Then waits ``settle`` seconds for the group to
@@ -109,21 +123,26 @@ def run_bounded(
     env: Mapping[str, str],
     log: Path,
     allow_leftovers: bool = False,
+    hosted: bool = False,
 ) -> None:
     """Run ``python args...`` in a new session with its output in ``log``; reap its group afterwards.
 
     Raises :class:`RunFailed` when it does not finish within ``timeout`` seconds, exits non-zero,
     or (unless ``allow_leftovers``) leaves processes running after it exited. An interrupt
-    (Ctrl-C, SIGTERM turned into SystemExit) ends the group on the way out.
+    (Ctrl-C, SIGTERM turned into SystemExit) ends the group on the way out. With ``hosted``, a
+    ``-m`` command of :data:`~vllm_omni_mxfp4_tiny.engine_host.HOSTED_MODULES` is forked from the
+    warm host of ``env`` where there is one (:func:`engine_host`), else it starts fresh.
     """
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=dict(env),
-            start_new_session=True,
-        )
+        proc: subprocess.Popen | HostedProcess | None = _start_hosted(args, env, log) if hosted else None
+        if proc is None:
+            proc = subprocess.Popen(
+                [sys.executable, *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=dict(env),
+                start_new_session=True,
+            )
         timed_out = False
         try:
             proc.wait(timeout=timeout)
@@ -146,17 +165,219 @@ def run_engine_job(
     timeout: float,
     env: Mapping[str, str] | None = None,
     allow_leftovers: bool = False,
+    hosted: bool = True,
 ) -> dict[str, Any]:
     """Run :mod:`~vllm_omni_mxfp4_tiny.engine_job` on ``job`` in its own process group.
 
     ``job.out`` receives ``job.json``, ``engine.log`` and what the job writes (see
     :mod:`~vllm_omni_mxfp4_tiny.engine_job`). Returns the job's ``result.json``; raises
     :class:`RunFailed` as :func:`run_bounded` does. ``env`` defaults to this process' environment.
+    ``hosted`` (the default) forks the job from the warm engine host of ``env``; ``False`` starts a
+    fresh interpreter.
     """
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "job.json").write_text(json.dumps(dataclasses.asdict(job), indent=2))
     env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     args = ["-m", "vllm_omni_mxfp4_tiny.engine_job", str(out / "job.json")]
-    run_bounded(args, timeout=timeout, env=env, log=out / "engine.log", allow_leftovers=allow_leftovers)
+    run_bounded(
+        args, timeout=timeout, env=env, log=out / "engine.log", allow_leftovers=allow_leftovers, hosted=hosted
+    )
     return json.loads((out / "result.json").read_text())
+
+
+# ----------------------------------------------------------------------------- warm engine hosts
+
+#: At most this many hosts per process (one per distinct environment); other environments start fresh.
+MAX_HOSTS = 3
+#: How long a host may take to import what it preloads before its jobs start fresh instead.
+HOST_READY_TIMEOUT_S = 600.0
+
+
+class _Replies:
+    """JSON lines from a host's reply pipe, read with deadlines."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self._buffer, self.closed = fd, b"", False
+
+    def read(self, timeout: float | None) -> dict[str, Any] | None:
+        """The next reply; ``None`` when none came within ``timeout`` s; raises EOFError once the host is gone."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            if self.closed:
+                raise EOFError("engine host exited")
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.fd], [], [], left)[0]:
+                return None
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                self.closed = True
+                continue
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+
+class HostedProcess:
+    """A job forked by an :class:`EngineHost`, with the part of ``subprocess.Popen`` that
+    :func:`reap_group` and :func:`run_bounded` use (``pid``, ``returncode``, ``poll``, ``wait``, ``kill``).
+
+    Its process group is its pid (the child calls ``setsid``). If the host dies while the job runs,
+    the job counts as exited with status 255 and its group is reaped as usual.
+    """
+
+    def __init__(self, host: EngineHost, pid: int) -> None:
+        self.host, self.pid, self.returncode = host, pid, None
+
+    def _take(self, timeout: float | None) -> bool:
+        if self.returncode is not None:
+            return True
+        try:
+            reply = self.host.replies.read(timeout)
+        except EOFError:
+            reply = {"pid": self.pid, "returncode": 255}
+        if reply is None:
+            return False
+        if reply.get("pid") != self.pid or "returncode" not in reply:
+            raise RuntimeError(f"engine host: unexpected reply {reply} while job {self.pid} runs")
+        self.returncode = int(reply["returncode"])
+        self.host.busy.release()
+        return True
+
+    def poll(self) -> int | None:
+        self._take(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._take(timeout):
+            raise subprocess.TimeoutExpired(f"engine job {self.pid}", timeout or 0.0)
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+class EngineHost:
+    """The client of one :mod:`~vllm_omni_mxfp4_tiny.engine_host` process, started with ``env``
+    (without its :data:`~vllm_omni_mxfp4_tiny.engine_host.LATE_VARIABLES`). One job at a time."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = dict(env)
+        self.dir = Path(tempfile.mkdtemp(prefix="vllm-omni-mxfp4-engine-host-"))
+        self.log = self.dir / "host.log"
+        self.busy = threading.Lock()
+        self.ready: bool | None = None  # None until the host said it is ready or failed
+        read_fd, write_fd = os.pipe()
+        try:
+            with open(self.log, "wb") as out:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "vllm_omni_mxfp4_tiny.engine_host", str(write_fd), str(self.log)],
+                    stdin=subprocess.PIPE,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    pass_fds=(write_fd,),
+                    start_new_session=True,
+                )
+        finally:
+            os.close(write_fd)
+        self.replies = _Replies(read_fd)
+
+    def wait_ready(self, timeout: float = HOST_READY_TIMEOUT_S) -> bool:
+        """Whether the host finished its imports (waits for it up to ``timeout`` s the first time)."""
+        if self.ready is None:
+            try:
+                reply = self.replies.read(timeout)
+            except EOFError:
+                reply = None
+            self.ready = reply is not None and "ready" in reply
+            if not self.ready:
+                logger.warning(
+                    "engine host did not start; its jobs start fresh (log tail: %s)", log_tail(self.log, 600)
+                )
+                self.close()
+        return self.ready
+
+    def start(
+        self, module: str, argv: Sequence[str], log: Path, env: Mapping[str, str]
+    ) -> HostedProcess | None:
+        """Fork ``python -m module argv...`` with ``env``, its output in ``log``; ``None`` when the host
+        is busy with another job, not running, or did not start."""
+        if not self.busy.acquire(blocking=False):
+            return None
+        try:
+            if not self.wait_ready() or self.proc.poll() is not None:
+                self.busy.release()
+                return None
+            request = {
+                "module": module,
+                "argv": list(argv),
+                "log": str(log),
+                "cwd": os.getcwd(),
+                "env": dict(env),
+            }
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            reply = self.replies.read(60.0)
+        except (OSError, EOFError):
+            reply = None
+        if reply is None or "pid" not in reply:
+            self.busy.release()
+            self.close()
+            return None
+        return HostedProcess(self, int(reply["pid"]))
+
+    def close(self) -> None:
+        """End the host (it exits when its stdin closes) and remove its log."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10.0)
+        with contextlib.suppress(OSError):
+            os.close(self.replies.fd)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_HOSTS: dict[tuple[tuple[str, str], ...], EngineHost] = {}
+_HOSTS_LOCK = threading.Lock()
+
+
+def _host_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items() if k not in LATE_VARIABLES))
+
+
+def engine_host(env: Mapping[str, str]) -> EngineHost | None:
+    """The warm host for ``env``, started now (in the background) if there is none yet; ``None`` once
+    :data:`MAX_HOSTS` hosts run for other environments. Jobs of ``env`` differing only in
+    :data:`~vllm_omni_mxfp4_tiny.engine_host.LATE_VARIABLES` share it."""
+    key = _host_key(env)
+    with _HOSTS_LOCK:
+        host = _HOSTS.get(key)
+        if host is None and len(_HOSTS) < MAX_HOSTS:
+            host = _HOSTS[key] = EngineHost(dict(key))
+        return host
+
+
+def close_engine_hosts() -> None:
+    """End every host this process started (also run when the process exits)."""
+    with _HOSTS_LOCK:
+        hosts = list(_HOSTS.values())
+        _HOSTS.clear()
+    for host in hosts:
+        host.close()
+
+
+atexit.register(close_engine_hosts)
+
+
+def _start_hosted(args: Sequence[str], env: Mapping[str, str], log: Path) -> HostedProcess | None:
+    if len(args) < 2 or args[0] != "-m" or args[1] not in HOSTED_MODULES:
+        return None
+    host = engine_host(env)
+    return None if host is None else host.start(args[1], args[2:], log, env)
