@@ -130,16 +130,14 @@ def _message_rows():
 
 
 @pytest.fixture(scope="module")
-def literals():
-    from doc_blocks import message_sources
+def sources():
+    from doc_blocks import MessageSources
 
-    return message_sources()
+    return MessageSources()
 
 
 @pytest.mark.parametrize("table,message", list(_message_rows()))
-def test_documented_message_exists_in_the_source(table, message, literals):
-    from doc_blocks import message_in
-
-    assert message_in(message, literals), (
+def test_documented_message_exists_in_the_source(table, message, sources):
+    assert sources.has(message), (
         f"{table.where}: the documented message {message!r} is not in the source any more; update the docs"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import textwrap
 
 import pytest
@@ -143,6 +144,17 @@ def test_a_hanging_block_times_out_and_is_reaped(tmp_path):
     pid = int((work / "child.pid").read_text())
     gone = not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert gone, "the block's background child outlived the timeout"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm_omni") is None, reason="vllm-omni not installed")
+def test_messages_quoted_from_upstream_are_found_in_its_sources():
+    from doc_blocks import MessageSources
+
+    sources = MessageSources()
+    upstream = "Required weights were not initialized from checkpoint: ..."
+    assert not message_in(upstream, sources.own) and sources.has(upstream)
+    assert not sources.has("Required weights were not initialized from the moon: ...")
+    assert message_in("num_bf16_fallback_layers=... is larger than the ... blocks of", sources.own)
 
 
 def test_messages_are_found_only_in_order_inside_one_literal():

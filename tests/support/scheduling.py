@@ -29,28 +29,30 @@ LONGEST = (
     "tests/demo/test_models_e2e.py",
     "tests/checkpoint/",
     "tests/models/",
-    "tests/omni/test_omni_e2e.py",  # before the other users of the shared BF16 run
-    "tests/hooks/test_omni_names_e2e.py",
-    "tests/hooks/test_upstream_checkpoints.py",
     "tests/platform/test_serve_component_configs.py",
     "tests/omni/test_wan_tp2.py",
-    "tests/omni/test_tensor_parallel.py",
     "tests/platform/test_omni_engine.py",
+    "tests/omni/test_omni_e2e.py",  # before the other users of the shared BF16 run
+    "tests/omni/test_tensor_parallel.py",
+    "tests/demo/test_demo_e2e.py",
+    "tests/hooks/test_nvfp4_e2e.py",
+    "tests/hooks/test_upstream_checkpoints.py",
+    "tests/demo/test_runner.py",
     "doc:python bench/requant.py --load",
     "doc:python -m vllm_omni_mxfp4_demo.models",
-    "tests/hooks/test_nvfp4_e2e.py",
-    "tests/demo/test_demo_e2e.py",
-    "tests/hooks/test_nvfp4_models.py",
-    "doc:README.md#merge",
-    "tests/convert/test_convert_e2e.py",
+    "tests/hooks/test_omni_names_e2e.py",
     "doc:python bench/linear.py",
-    "doc:README.md#serve",
+    "doc:README.md#merge",
     "doc:docs/user_guide.md#validate",
-    "doc:import json",  # docs/user_guide.md's W4A8 Omni(...) example
-    "doc:from vllm_omni import Omni",  # README's Omni(...) example
     "tests/examples/test_text_to_video.py",
     "doc:docs/user_guide.md#w4a8-serve",
+    "tests/hooks/test_nvfp4_models.py",
+    "doc:README.md#serve",
     "tests/hooks/test_nvfp4_tp2.py",
+    "doc:python examples/offline_inference/text_to_video/text_to_video.py",
+    "doc:import json",  # docs/user_guide.md's W4A8 Omni(...) example
+    "doc:from vllm_omni import Omni",  # README's Omni(...) example
+    "tests/convert/test_convert_e2e.py",
     "tests/docs/test_doc_blocks.py",
 )
 
