@@ -159,3 +159,4 @@ def test_a_failing_hosted_job_reports_its_exit_status_and_traceback_and_the_host
     finally:
         host.close()
     assert host.proc.returncode == 0 and not host.dir.exists()
+    host.close()  # again (the exit handler does): a no-op, no descriptor closed twice

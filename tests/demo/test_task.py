@@ -88,6 +88,15 @@ def test_renders_are_deterministic_in_the_seed_and_stay_inside_the_frame():
         assert np.allclose(border, background, atol=1e-6), prompt.text
 
 
+def test_a_frame_too_small_for_the_path_is_refused():
+    task.render_video(VIDEO, 0, height=16, width=16)  # the smallest size the message recommends
+    fast = dataclasses.replace(VIDEO, speed="quickly")
+    with pytest.raises(
+        ValueError, match=r"a 8x8 frame is too small for 'a red circle moving left quickly.*at least 16x16"
+    ):
+        task.render_video(fast, 0, height=8, width=8)
+
+
 def test_the_shape_travels_its_speeds_share_of_the_frame():
     for speed, share in task.SPEEDS.items():
         for direction, axis, extent in (("right", 2, 40), ("down", 1, 24)):

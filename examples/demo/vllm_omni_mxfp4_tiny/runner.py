@@ -330,7 +330,10 @@ class EngineHost:
         return HostedProcess(self, int(reply["pid"]))
 
     def close(self) -> None:
-        """End the host (it exits when its stdin closes) and remove its log."""
+        """End the host (it exits when its stdin closes) and remove its log. Safe to call again: the
+        reply descriptor is closed once (a second close could hit a number reused since)."""
+        if self.replies.fd < 0:
+            return
         with contextlib.suppress(OSError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
@@ -339,8 +342,8 @@ class EngineHost:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10.0)
-        with contextlib.suppress(OSError):
-            os.close(self.replies.fd)
+        os.close(self.replies.fd)
+        self.replies.fd, self.replies.closed = -1, True
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -56,8 +56,20 @@ _DIRECTION_VECTORS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0
 _SUPERSAMPLE = 4
 
 
+class _Prompt:
+    """What both prompt kinds share: a colour and a shape, the pair training may hold out."""
+
+    colour: str
+    shape: str
+
+    @property
+    def held_out(self) -> bool:
+        """Whether training never shows this prompt's colour × shape pair."""
+        return (self.colour, self.shape) in HELD_OUT_PAIRS
+
+
 @dataclass(frozen=True)
-class VideoPrompt:
+class VideoPrompt(_Prompt):
     """One video prompt: what its video must show."""
 
     colour: str
@@ -77,11 +89,6 @@ class VideoPrompt:
     def text(self) -> str:
         return f"a {self.colour} {self.shape} moving {self.direction} {self.speed} on a {self.background} background"
 
-    @property
-    def held_out(self) -> bool:
-        """Whether training never shows this prompt's colour × shape pair."""
-        return (self.colour, self.shape) in HELD_OUT_PAIRS
-
     @classmethod
     def parse(cls, text: str) -> VideoPrompt:
         """The prompt that :attr:`text` wrote; anything else is a ``ValueError`` naming the form."""
@@ -95,7 +102,7 @@ class VideoPrompt:
 
 
 @dataclass(frozen=True)
-class ImagePrompt:
+class ImagePrompt(_Prompt):
     """One image prompt: what its image must show."""
 
     colour: str
@@ -113,11 +120,6 @@ class ImagePrompt:
     def text(self) -> str:
         where = "in the center" if self.position == "center" else f"at the {self.position}"
         return f"a {self.colour} {self.shape} {where} on a {self.background} background"
-
-    @property
-    def held_out(self) -> bool:
-        """Whether training never shows this prompt's colour × shape pair."""
-        return (self.colour, self.shape) in HELD_OUT_PAIRS
 
     @classmethod
     def parse(cls, text: str) -> ImagePrompt:
@@ -199,7 +201,12 @@ def video_placement(prompt: VideoPrompt, seed: int, frames: int, height: int, wi
     margin = radius + 1.0
     lo_x, hi_x = margin - min(0.0, vx) * travel, width - margin - max(0.0, vx) * travel
     lo_y, hi_y = margin - min(0.0, vy) * travel, height - margin - max(0.0, vy) * travel
-    start = (float(rng.uniform(lo_x, max(lo_x, hi_x))), float(rng.uniform(lo_y, max(lo_y, hi_y))))
+    if hi_x < lo_x or hi_y < lo_y:
+        raise ValueError(
+            f"a {height}x{width} frame is too small for {prompt.text!r}: the shape (radius {radius:.1f} px) "
+            f"cannot travel {travel:.1f} px inside it; use frames of at least 16x16 pixels"
+        )
+    start = (float(rng.uniform(lo_x, hi_x)), float(rng.uniform(lo_y, hi_y)))
     return Placement(radius, start, float(rng.uniform(0.92, 1.0)))
 
 
