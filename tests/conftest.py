@@ -106,6 +106,24 @@ def vllm_env():
     destroy_distributed_environment()
 
 
+_PYTHON_DISPATCH = torch._C.DispatchKey.Python
+
+
+@pytest.fixture(autouse=True)
+def _python_dispatch_stays_on(request: pytest.FixtureRequest):
+    """Fail the test that leaves Python dispatch switched off in this thread, and switch it back on.
+
+    A ``no_dispatch()`` guard held by a suspended generator (or RAII guards freed out of order by
+    the garbage collector) leaves the Python dispatch key excluded after its test ends. Every later
+    test in the worker then runs without dispatch modes: the loader's copy counter refuses to load
+    and ``torch.compile`` refuses to trace, far from the test that caused it."""
+    yield
+    if torch._C._dispatch_tls_is_dispatch_key_excluded(_PYTHON_DISPATCH):
+        torch._C._dispatch_tls_set_dispatch_key_excluded(_PYTHON_DISPATCH, False)
+        torch._C._dispatch_tls_set_dispatch_key_excluded(torch._C.DispatchKey.PythonTLSSnapshot, False)
+        pytest.fail(f"{request.node.nodeid} left Python dispatch switched off in this thread", pytrace=False)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_process_group_leaks_into_other_modules():
     """Fail loudly if a module leaves torch.distributed initialized for the next one."""

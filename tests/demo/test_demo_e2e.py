@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from safetensors import safe_open
 
@@ -67,16 +68,34 @@ def test_table_and_numbers(demo_run):
     assert f"Output directory: {out}" in text
 
 
+def _fp32_bias_slack(folder: Path) -> int:
+    """Bytes the engine may hold beyond the file for BF16 Linears' biases: on a CPU with AMX tiles,
+    vLLM packs small BF16 Linears for SGL's kernel and keeps their biases in FP32
+    (``check_cpu_sgl_kernel`` in ``vllm.model_executor.layers.utils``), 2 more bytes per element;
+    elsewhere none."""
+    if not torch.cpu._is_amx_tile_supported():
+        return 0
+    with safe_open(str(folder / "diffusion_pytorch_model.safetensors"), "pt") as f:
+        return sum(2 * math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k.endswith(".bias"))
+
+
+def _assert_holds(t: dict, expected: int, slack: int) -> None:
+    held = t["weight_bytes"]
+    assert expected <= held <= expected + slack and (held - expected) % 2 == 0, (t["name"], held, expected, slack)
+
+
 def test_weight_bytes_are_what_the_checkpoints_hold(demo_run):
     out, _, results = demo_run
     modes = {m["mode"]: m for m in results["modes"]}
     original, merged = Path(results["model"]), Path(results["offline_checkpoint"])
     for t in modes["bf16"]["transformers"]:
-        assert t["weight_bytes"] == _file_bytes(original / t["name"]), t["name"]
+        folder = original / t["name"]
+        _assert_holds(t, _file_bytes(folder), _fp32_bias_slack(folder))
         assert t["backend_bytes"] == 0
     for t in modes["offline"]["transformers"]:
-        expected = _file_bytes(merged / t["name"], bias_bytes=2, shared_qkv_smooth=True)
-        assert t["weight_bytes"] == expected, t["name"]
+        folder = merged / t["name"]
+        expected = _file_bytes(folder, bias_bytes=2, shared_qkv_smooth=True)
+        _assert_holds(t, expected, _fp32_bias_slack(folder))
     assert modes["offline"]["weight_bytes"] < 0.7 * modes["bf16"]["weight_bytes"]
 
 

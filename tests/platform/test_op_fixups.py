@@ -26,6 +26,49 @@ def _packed_linear(n: int, k: int, seed: int = 0) -> tuple[torch.nn.Module, torc
     return layer, weight
 
 
+def _packed_linear_with_bias(n: int, k: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A BF16 layer with a bias, packed by vLLM's CPU dispatch (on AMX CPUs: SGL's packing, which
+    makes the bias FP32), carrying ``params_dtype`` as vLLM's ``LinearBase`` does."""
+    import vllm_omni  # noqa: F401
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    g = torch.Generator().manual_seed(2)
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    layer = torch.nn.Module()
+    layer.params_dtype = torch.bfloat16
+    layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    layer.bias = torch.nn.Parameter(bias.clone(), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    return layer, weight, bias
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vLLM packs for SGL's kernel on AMX CPUs only")
+def test_upstream_amx_gemm_still_refuses_the_input_dtype_its_bias_suggests() -> None:
+    """Fails once vLLM's AMX packing keeps the bias in the weight's dtype (or its kernel takes an FP32
+    input): then drop the dtype cast from cpu_unquantized_gemm."""
+    from vllm_omni_mxfp4.platform.op_fixups import upstream_cpu_unquantized_gemm
+
+    layer, _, _ = _packed_linear_with_bias(256, 256)
+    assert layer.bias.dtype == torch.float32
+    x = torch.randn(4, 256, dtype=layer.bias.dtype)
+    with pytest.raises(NotImplementedError, match="not implemented for 'Float'"):
+        upstream_cpu_unquantized_gemm()(layer, x, layer.weight, layer.bias)
+
+
+def test_cpu_gemm_runs_an_input_in_the_dtype_of_the_layers_bias() -> None:
+    """Z-Image's timestep embedder casts its input to ``mlp[0].bias.dtype``; whichever kernel vLLM
+    packed for this CPU, the layer computes in BF16 as on CUDA."""
+    from vllm_omni_mxfp4.platform.op_fixups import cpu_unquantized_gemm
+
+    layer, weight, bias = _packed_linear_with_bias(256, 256)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3)).to(layer.bias.dtype)
+    got = cpu_unquantized_gemm(layer, x, layer.weight, layer.bias)
+    reference = x.to(torch.bfloat16).double() @ weight.double().T + bias.double()
+    assert got.dtype == torch.bfloat16 and got.shape == reference.shape
+    torch.testing.assert_close(got.double(), reference, rtol=2e-2, atol=3e-2)
+
+
 def _strided_input(k: int, tokens: int = 32, seed: int = 1) -> torch.Tensor:
     """(1, tokens, k) as a transposed view (last stride ``tokens``), as Sana-WM's output gate makes it."""
     g = torch.Generator().manual_seed(seed)
@@ -38,7 +81,8 @@ def test_upstream_cpu_gemm_still_refuses_a_strided_input() -> None:
 
     layer, _ = _packed_linear(256, 256)
     x = _strided_input(256)
-    with pytest.raises(RuntimeError, match=r"stride\(-1\) == 1"):
+    # oneDNN's message, or SGL's where vLLM packed for AMX tiles
+    with pytest.raises(RuntimeError, match=r"stride\(-1\) == 1|must be contiguous at last dimension"):
         upstream_cpu_unquantized_gemm()(layer, x, layer.weight, None)
 
 

@@ -4,7 +4,7 @@ Installed only in processes where the CPU platform is active
 (:func:`vllm_omni_mxfp4.platform.install_fixups`, before any model is built); both leave every
 call that already works to upstream's own code.
 
-1. **A strided input to an unquantized vLLM Linear.** Upstream:
+1. **A strided input to an unquantized vLLM Linear, or one in the wrong dtype.** Upstream:
    ``vllm.model_executor.layers.utils.cpu_unquantized_gemm``, which every ``UnquantizedLinearMethod``
    binds on a CPU platform (``dispatch_unquantized_gemm``) and which calls the oneDNN or SGL kernel
    that ``dispatch_cpu_unquantized_gemm`` packed. Those kernels require a row-major input
@@ -12,6 +12,13 @@ call that already works to upstream's own code.
    through ``F.linear``, which takes any strides. Sana-WM's attention output gate
    (``SanaWmSelfAttention._apply_output_gate_and_proj``, ``self.proj(gated.to(...))``) hands its
    ``proj`` a transposed view. :func:`cpu_unquantized_gemm` makes such an input contiguous first.
+   On CPUs with AMX tiles, vLLM packs small BF16/FP16 weights for SGL's ``weight_packed_linear``
+   (``check_cpu_sgl_kernel``) and turns the layer's bias into FP32 while doing so. Models that read
+   the compute dtype off a bias (Z-Image's and Ming's ``TimestepEmbedder``:
+   ``self.mlp[0].bias.dtype``) then hand the kernel an FP32 input for a BF16 weight, which it
+   refuses (``"weight_packed_linear_kernel_impl" not implemented for 'Float'``). On CUDA the bias
+   keeps the weight's dtype and the model casts its input to it; :func:`cpu_unquantized_gemm` makes
+   that cast for the layer whose bias the packing changed.
 2. **Wan-style rotary embedding with a per-token table.** Upstream:
    ``vllm_omni.diffusion.layers.rope.RotaryEmbeddingWan.forward_native``, which is what vLLM-Omni's
    ``CustomOp`` dispatches to on an out-of-tree platform. It multiplies the (batch, tokens, heads,
@@ -43,9 +50,18 @@ HOOK = "cpu_op_fixups"
 def cpu_unquantized_gemm(
     layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """vLLM's CPU unquantized GEMM, taking an input of any strides as ``F.linear`` on CUDA does."""
+    """vLLM's CPU unquantized GEMM, taking an input of any strides as ``F.linear`` on CUDA does, and
+    in the weight's dtype where vLLM's AMX packing made the bias FP32 (module docstring)."""
     if x.dim() > 0 and x.stride(-1) != 1:
         x = x.contiguous()
+    params_dtype = getattr(layer, "params_dtype", None)
+    if (
+        params_dtype in (torch.bfloat16, torch.float16)
+        and x.dtype == torch.float32
+        and bias is not None
+        and bias.dtype == torch.float32
+    ):
+        x = x.to(params_dtype)
     return layer.cpu_linear(x, weight, bias)
 
 
