@@ -76,12 +76,17 @@ def _fp32_bias_slack(folder: Path) -> int:
     if not torch.cpu._is_amx_tile_supported():
         return 0
     with safe_open(str(folder / "diffusion_pytorch_model.safetensors"), "pt") as f:
-        return sum(2 * math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k.endswith(".bias"))
+        return sum(2 * math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k.endswith(".bias"))  # noqa: SIM118 (safe_open is not iterable)
 
 
 def _assert_holds(t: dict, expected: int, slack: int) -> None:
     held = t["weight_bytes"]
-    assert expected <= held <= expected + slack and (held - expected) % 2 == 0, (t["name"], held, expected, slack)
+    assert expected <= held <= expected + slack and (held - expected) % 2 == 0, (
+        t["name"],
+        held,
+        expected,
+        slack,
+    )
 
 
 def test_weight_bytes_are_what_the_checkpoints_hold(demo_run):

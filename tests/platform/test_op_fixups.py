@@ -43,7 +43,9 @@ def _packed_linear_with_bias(n: int, k: int) -> tuple[torch.nn.Module, torch.Ten
     return layer, weight, bias
 
 
-@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vLLM packs for SGL's kernel on AMX CPUs only")
+@pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(), reason="vLLM packs for SGL's kernel on AMX CPUs only"
+)
 def test_upstream_amx_gemm_still_refuses_the_input_dtype_its_bias_suggests() -> None:
     """Fails once vLLM's AMX packing keeps the bias in the weight's dtype (or its kernel takes an FP32
     input): then drop the dtype cast from cpu_unquantized_gemm."""

@@ -17,7 +17,9 @@ more user of it.
   Wan2.2 pipeline, made on CPU (imported on their own: they need torch, and msModelSlim when run);
 - :mod:`.task`, :mod:`.detect`: the synthetic task trained tiny models learn (prompts from a small
   vocabulary, seeded renders of them) and a detector with no learned weights that reads a prompt
-  back from the pixels (prompt accuracy);
+  back from the pixels (prompt accuracy); :mod:`.training`, the pieces trained tiny Wan2.2 models
+  are taught with (the pipeline's text encoding, flow matching per expert, an exact compact
+  cross-attention for training, the VAE and expert loops);
 - :mod:`.engine_job`: ``Omni`` once, frames saved, in a process of its own
   (``python -m vllm_omni_mxfp4_tiny.engine_job JOB.json``);
 - :mod:`.runner`: bounded subprocesses whose process groups are reaped (the engine job among them);

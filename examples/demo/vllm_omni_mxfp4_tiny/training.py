@@ -1,0 +1,367 @@
+"""Training pieces for the task models (:mod:`.task`): what a trained tiny Wan2.2 is taught with.
+
+Everything here computes what vLLM-Omni's Wan2.2 pipeline computes at inference, so that weights
+trained with it load and run there unchanged:
+
+- **Text.** :func:`task_tokenizer` is a word-level ``PreTrainedTokenizerFast`` over the task's
+  vocabulary that ends every prompt with ``</s>`` as T5's tokenizer does; :func:`task_text_encoder`
+  a seeded ``UMT5EncoderModel`` that stays frozen (the transformers' cross-attention learns to read
+  it). :func:`prompt_embeddings` tokenizes to the pipeline's ``max_sequence_length`` (512), encodes
+  with the attention mask, keeps each prompt's own tokens and zero-fills the rest, as
+  ``encode_prompt`` does.
+- **Cross-attention on the padded text, cheaply and exactly.** All 512 - n padding rows of a
+  prompt are zero, so every one of them gives the same key and value. :func:`compact_text` keeps a
+  prompt's n tokens and L - n of its padding rows, and gives each kept padding row the logit bias
+  log((512 - n) / (L - n)): softmax over the L rows then weighs them exactly as softmax over the 512
+  rows does. :class:`CompactCrossAttention` is diffusers' Wan cross-attention with that bias; it
+  makes a training step several times cheaper and changes nothing the trained weights compute
+  (checked against the full 512-row attention in the tests).
+- **Flow matching.** :func:`flow_matching_loss` is the objective vLLM-Omni's flow-prediction
+  schedulers invert: ``x_t = (1 - sigma) x_0 + sigma * noise``, timestep ``1000 * sigma``, target
+  ``noise - x_0``; each expert of a two-expert pipeline is trained on its own side of the
+  ``boundary_ratio`` (the high-noise ``transformer`` on ``sigma >= boundary_ratio``).
+- **The loops.** :func:`train_vae` trains an ``AutoencoderKLWan`` on renders of the training prompts;
+  :func:`latent_bank` encodes a fixed set of renders once; :func:`train_expert` trains one expert on
+  it. Each is deterministic in its config's seed (same losses, same weights) and shows its loss in
+  a tqdm bar. Training renders use seeds below :data:`TRAINING_SEEDS`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .task import VideoPrompt, image_prompts, render_video, video_prompts
+
+MAX_SEQUENCE_LENGTH = 512
+"""The padded text length vLLM-Omni's Wan2.2 pipeline gives the transformer (``max_sequence_length``)."""
+
+SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")
+
+TRAINING_SEEDS = 1_000_000
+"""Training renders draw their seeds below this; evaluation uses seeds from it up, never seen."""
+
+
+def task_vocabulary() -> tuple[str, ...]:
+    """The special tokens, then every word of every task prompt (video and image), sorted."""
+    words = {w for p in (*video_prompts(), *image_prompts()) for w in p.text.split()}
+    return SPECIAL_TOKENS + tuple(sorted(words))
+
+
+def task_tokenizer(max_length: int = MAX_SEQUENCE_LENGTH) -> Any:
+    """A word-level ``PreTrainedTokenizerFast`` over :func:`task_vocabulary` that appends ``</s>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = task_vocabulary()
+    word_level = Tokenizer(
+        models.WordLevel(vocab={w: i for i, w in enumerate(vocabulary)}, unk_token="<unk>")
+    )
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.post_processor = processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", vocabulary.index("</s>"))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=word_level,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=max_length,
+    )
+
+
+def task_text_encoder(config: dict[str, Any], seed: int) -> Any:
+    """A ``UMT5EncoderModel`` from ``config`` (a ``UMT5Config``'s keys) with weights drawn from ``seed``."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return UMT5EncoderModel(UMT5Config(**config)).eval()
+
+
+@torch.no_grad()
+def prompt_embeddings(
+    tokenizer: Any, text_encoder: Any, texts: Sequence[str], max_length: int = MAX_SEQUENCE_LENGTH
+) -> torch.Tensor:
+    """``(len(texts), max_length, d_model)``: each text's token states, zero past its own tokens."""
+    tokens = tokenizer(
+        list(texts),
+        padding="max_length",
+        max_length=max_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    states = text_encoder(tokens.input_ids, tokens.attention_mask).last_hidden_state
+    keep = tokens.attention_mask.bool().unsqueeze(-1)
+    return torch.where(keep, states, torch.zeros_like(states))
+
+
+def compact_text(embeddings: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``length`` rows of zero-padded ``embeddings`` and the logit bias ``(B, length)``
+    that makes attention over them equal attention over all rows (module docstring).
+
+    Every prompt must leave at least one padding row among the kept ones."""
+    batch, total, _ = embeddings.shape
+    tokens = (embeddings.abs().amax(dim=-1) > 0).sum(dim=1)
+    if int(tokens.max()) >= length:
+        raise ValueError(
+            f"compact_text: a prompt has {int(tokens.max())} tokens, which leaves no padding row among "
+            f"the first {length}; use a length above the longest prompt"
+        )
+    rows = torch.arange(length).unsqueeze(0)
+    n = tokens.unsqueeze(1).to(torch.float64)
+    weight = torch.log((total - n) / (length - n))
+    bias = torch.where(rows >= tokens.unsqueeze(1), weight, torch.zeros_like(weight)).to(torch.float32)
+    return embeddings[:, :length].contiguous(), bias
+
+
+class CompactCrossAttention:
+    """diffusers ``WanAttnProcessor`` for a text-only cross-attention, with the logit bias of
+    :func:`compact_text` (set :attr:`bias` to ``(B, L)`` before each forward)."""
+
+    def __init__(self) -> None:
+        self.bias: torch.Tensor | None = None
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: Any = None,
+    ) -> torch.Tensor:
+        if self.bias is None or encoder_hidden_states is None:
+            raise RuntimeError(
+                "CompactCrossAttention: set .bias and pass the compact text before the forward"
+            )
+        query = attn.norm_q(attn.to_q(hidden_states))
+        key = attn.norm_k(attn.to_k(encoder_hidden_states))
+        value = attn.to_v(encoder_hidden_states)
+        query, key, value = (t.unflatten(2, (attn.heads, -1)).transpose(1, 2) for t in (query, key, value))
+        bias = self.bias[:, None, None, :].to(query.dtype)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
+        out = out.transpose(1, 2).flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def use_compact_cross_attention(transformer: Any) -> CompactCrossAttention:
+    """Route every block's cross-attention (``attn2``) of a diffusers ``WanTransformer3DModel``
+    through one :class:`CompactCrossAttention`, which is returned (set its bias per batch)."""
+    processor = CompactCrossAttention()
+    for block in transformer.blocks:
+        block.attn2.set_processor(processor)
+    return processor
+
+
+def flow_matching_loss(
+    transformer: Any,
+    x0: torch.Tensor,
+    sigma: torch.Tensor,
+    noise: torch.Tensor,
+    text: torch.Tensor,
+) -> torch.Tensor:
+    """Mean squared error of the transformer's flow prediction at noise level ``sigma`` (per sample)."""
+    s = sigma.view(-1, *([1] * (x0.dim() - 1)))
+    noisy = (1 - s) * x0 + s * noise
+    predicted = transformer(
+        hidden_states=noisy, timestep=sigma * 1000, encoder_hidden_states=text, return_dict=False
+    )[0]
+    return F.mse_loss(predicted.float(), (noise - x0).float())
+
+
+def cosine_learning_rate(step: int, steps: int, peak: float, warmup: int, floor: float = 0.1) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``floor * peak`` at ``steps``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min((step - warmup) / max(steps - warmup, 1), 1.0)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def video_batch(
+    rng: np.random.Generator,
+    prompts: Sequence[VideoPrompt],
+    batch: int,
+    *,
+    frames: int,
+    height: int,
+    width: int,
+) -> tuple[torch.Tensor, np.ndarray]:
+    """``batch`` renders of prompts and seeds drawn from ``rng``: ``(B, 3, F, H, W)`` in [-1, 1] (the
+    VAE's range) and the index of each one's prompt in ``prompts``."""
+    which = rng.integers(len(prompts), size=batch)
+    seeds = rng.integers(TRAINING_SEEDS, size=batch)
+    videos = np.stack(
+        [
+            render_video(prompts[i], int(s), frames=frames, height=height, width=width)
+            for i, s in zip(which, seeds)
+        ]
+    )
+    return torch.from_numpy(videos).permute(0, 4, 1, 2, 3) * 2 - 1, which
+
+
+@dataclass(frozen=True)
+class VaeTraining:
+    """How the VAE is trained: as an autoencoder on renders of the training prompts.
+
+    The loss is the mean absolute (``l1``) or squared error per pixel, with the pixels that differ
+    from the first frame's corner (the shape, not the background) weighted ``shape_weight`` times,
+    plus ``latent_l2`` times the mean square of the latents, which keeps them near unit scale."""
+
+    steps: int
+    batch: int = 8
+    lr: float = 2e-3
+    warmup: int = 20
+    shape_weight: float = 10.0
+    latent_l2: float = 1e-4
+    l1: bool = False
+    frames: int = 9
+    height: int = 32
+    width: int = 32
+    seed: int = 0
+
+
+def vae_loss(vae: Any, videos: torch.Tensor, config: VaeTraining) -> torch.Tensor:
+    """One batch's autoencoder loss (:class:`VaeTraining`)."""
+    latents = vae.encode(videos).latent_dist.mean
+    decoded = vae.decode(latents).sample
+    error = (decoded - videos).abs() if config.l1 else (decoded - videos) ** 2
+    shape = ((videos - videos[:, :, :1, :1, :1]).abs().sum(dim=1, keepdim=True) > 0.1).float()
+    return (error * (1 + (config.shape_weight - 1) * shape)).mean() + config.latent_l2 * (latents**2).mean()
+
+
+def train_vae(vae: Any, config: VaeTraining, *, progress: bool = True) -> list[float]:
+    """Train ``vae`` (a diffusers ``AutoencoderKLWan``) in place; returns each step's loss.
+
+    Deterministic in ``config.seed``: the same config gives the same losses and weights."""
+    torch.manual_seed(config.seed)
+    rng = np.random.default_rng([config.seed, 10])
+    prompts = video_prompts(held_out=False)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=config.lr, weight_decay=0.0)
+    vae.train()
+    losses: list[float] = []
+    bar = tqdm(range(config.steps), desc="vae", disable=not progress)
+    for step in bar:
+        videos, _ = video_batch(
+            rng, prompts, config.batch, frames=config.frames, height=config.height, width=config.width
+        )
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_learning_rate(step, config.steps, config.lr, config.warmup)
+        loss = vae_loss(vae, videos, config)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    vae.eval()
+    return losses
+
+
+@dataclass(frozen=True)
+class LatentBank:
+    """Training videos encoded once: normalized latents (the pipeline's ``(z - mean) / std``), the
+    prompt index of each, and the per-channel ``mean``/``std`` that go into the VAE's config."""
+
+    latents: torch.Tensor
+    prompts: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+@torch.no_grad()
+def latent_bank(
+    vae: Any, count: int, *, seed: int, frames: int = 9, height: int = 32, width: int = 32, chunk: int = 64
+) -> LatentBank:
+    """``count`` renders of training prompts (seeds from ``seed``) through ``vae``'s encoder mean."""
+    rng = np.random.default_rng([seed, 11])
+    prompts = video_prompts(held_out=False)
+    latents, indices = [], []
+    for start in tqdm(range(0, count, chunk), desc="encode", leave=False):
+        videos, which = video_batch(
+            rng, prompts, min(chunk, count - start), frames=frames, height=height, width=width
+        )
+        latents.append(vae.encode(videos).latent_dist.mean)
+        indices.append(torch.from_numpy(which))
+    z = torch.cat(latents)
+    mean, std = z.mean(dim=(0, 2, 3, 4)), z.std(dim=(0, 2, 3, 4))
+    shape = (1, -1, 1, 1, 1)
+    return LatentBank((z - mean.view(shape)) / std.view(shape), torch.cat(indices), mean, std)
+
+
+@dataclass(frozen=True)
+class ExpertTraining:
+    """How one expert is trained with :func:`flow_matching_loss` on noise levels in
+    ``[sigma_low, sigma_high)``; ``drop_prompt`` of the samples see the empty prompt instead (the
+    unconditional branch classifier-free guidance needs)."""
+
+    steps: int
+    sigma_low: float
+    sigma_high: float
+    batch: int = 16
+    lr: float = 3e-4
+    warmup: int = 50
+    weight_decay: float = 0.01
+    drop_prompt: float = 0.1
+    seed: int = 0
+
+
+def train_expert(
+    transformer: Any,
+    bank: LatentBank,
+    text: torch.Tensor,
+    bias: torch.Tensor,
+    config: ExpertTraining,
+    *,
+    progress: bool = True,
+) -> list[float]:
+    """Train ``transformer`` (a diffusers ``WanTransformer3DModel``) in place; returns each step's loss.
+
+    ``text``/``bias``: :func:`compact_text` of the prompt embeddings of the training prompts in
+    ``video_prompts(held_out=False)`` order, then the empty prompt as the last row."""
+    empty = text.shape[0] - 1
+    if empty != len(video_prompts(held_out=False)):
+        raise ValueError(
+            f"train_expert: text has {text.shape[0]} rows; expected one per training prompt "
+            f"({len(video_prompts(held_out=False))}) and the empty prompt last"
+        )
+    processor = use_compact_cross_attention(transformer)
+    generator = torch.Generator().manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    transformer.train()
+    losses: list[float] = []
+    bar = tqdm(range(config.steps), desc="expert", disable=not progress)
+    for step in bar:
+        pick = torch.randint(bank.latents.shape[0], (config.batch,), generator=generator)
+        rows = bank.prompts[pick]
+        dropped = torch.rand(config.batch, generator=generator) < config.drop_prompt
+        rows = torch.where(dropped, torch.full_like(rows, empty), rows)
+        sigma = config.sigma_low + (config.sigma_high - config.sigma_low) * torch.rand(
+            config.batch, generator=generator
+        )
+        x0 = bank.latents[pick]
+        noise = torch.randn(x0.shape, generator=generator)
+        processor.bias = bias[rows]
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_learning_rate(step, config.steps, config.lr, config.warmup)
+        loss = flow_matching_loss(transformer, x0, sigma, noise, text[rows])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    for block in transformer.blocks:  # the full-text attention the pipeline runs
+        block.attn2.set_processor(WanAttnProcessor())
+    transformer.eval()
+    return losses

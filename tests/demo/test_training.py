@@ -1,0 +1,175 @@
+"""The training pieces (vllm_omni_mxfp4_tiny/training.py): text as the Wan2.2 pipeline encodes it,
+and the compact cross-attention that must compute what the full 512-row attention computes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_omni_mxfp4_tiny import task, training
+
+TEXT_ENCODER = {
+    "vocab_size": len(training.task_vocabulary()),
+    "d_model": 32,
+    "d_kv": 8,
+    "d_ff": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "relative_attention_num_buckets": 8,
+    "relative_attention_max_distance": 16,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "decoder_start_token_id": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def text_parts():
+    return training.task_tokenizer(), training.task_text_encoder(TEXT_ENCODER, seed=0)
+
+
+def test_tokenizer_knows_every_task_word_and_ends_with_eos(text_parts):
+    tokenizer, _ = text_parts
+    prompt = task.VideoPrompt("red", "circle", "left", "slowly", "black")
+    ids = tokenizer(prompt.text).input_ids
+    assert len(ids) == len(prompt.text.split()) + 1 and ids[-1] == tokenizer.eos_token_id
+    assert tokenizer.unk_token_id not in ids
+    assert tokenizer("a purple circle").input_ids[1] == tokenizer.unk_token_id
+    image = task.ImagePrompt("blue", "square", "top left", "gray")
+    assert tokenizer.unk_token_id not in tokenizer(image.text).input_ids
+
+
+def test_prompt_embeddings_are_zero_past_each_prompts_tokens(text_parts):
+    tokenizer, encoder = text_parts
+    texts = [task.video_prompts()[0].text, "", "a red square"]
+    embeds = training.prompt_embeddings(tokenizer, encoder, texts)
+    assert embeds.shape == (3, training.MAX_SEQUENCE_LENGTH, TEXT_ENCODER["d_model"])
+    lengths = [len(t.split()) + 1 for t in texts]
+    for row, n in zip(embeds, lengths):
+        assert bool((row[:n].abs().amax(-1) > 0).all()) and float(row[n:].abs().max()) == 0.0
+    # a prompt's states do not depend on what else is in the batch (the mask hides the padding)
+    alone = training.prompt_embeddings(tokenizer, encoder, texts[2:])
+    torch.testing.assert_close(alone[0], embeds[2], rtol=1e-5, atol=1e-6)
+
+
+def test_compact_text_refuses_a_length_with_no_padding_row(text_parts):
+    tokenizer, encoder = text_parts
+    embeds = training.prompt_embeddings(tokenizer, encoder, [task.video_prompts()[0].text])
+    with pytest.raises(
+        ValueError, match=r"a prompt has 11 tokens, which leaves no padding row among the first 11"
+    ):
+        training.compact_text(embeds, 11)
+    _, bias = training.compact_text(embeds, 12)
+    assert bias[0, :11].abs().max() == 0 and math.isclose(float(bias[0, 11]), math.log(501), rel_tol=1e-6)
+
+
+def test_compact_cross_attention_computes_what_the_full_padded_text_gives(text_parts):
+    """The trained weights are used with 512 text rows; training with 12 rows plus the bias must
+    give the same transformer output (and so the same gradients)."""
+    from diffusers import WanTransformer3DModel
+
+    tokenizer, encoder = text_parts
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(
+        patch_size=[1, 2, 2],
+        num_attention_heads=2,
+        attention_head_dim=32,
+        in_channels=4,
+        out_channels=4,
+        text_dim=TEXT_ENCODER["d_model"],
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).eval()
+    texts = [task.video_prompts()[5].text, ""]
+    full = training.prompt_embeddings(tokenizer, encoder, texts)
+    latents = torch.randn(2, 4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    timestep = torch.tensor([900.0, 250.0])
+    with torch.no_grad():
+        want = transformer(
+            hidden_states=latents, timestep=timestep, encoder_hidden_states=full, return_dict=False
+        )[0]
+        processor = training.use_compact_cross_attention(transformer)
+        text, processor.bias = training.compact_text(full, 12)
+        got = transformer(
+            hidden_states=latents, timestep=timestep, encoder_hidden_states=text, return_dict=False
+        )[0]
+        # without the bias the 12 rows are a different attention: the check can fail
+        processor.bias = torch.zeros_like(processor.bias)
+        unbiased = transformer(
+            hidden_states=latents, timestep=timestep, encoder_hidden_states=text, return_dict=False
+        )[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert float((unbiased - want).abs().max()) > 1e-3
+
+
+def test_cosine_learning_rate_warms_up_then_decays_to_its_floor():
+    lr = [training.cosine_learning_rate(s, 100, 1e-3, warmup=10) for s in range(101)]
+    assert lr[0] == pytest.approx(1e-4) and lr[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lr[10:], lr[11:]))
+    assert lr[100] == pytest.approx(1e-4)
+
+
+def _tiny_vae():
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    return AutoencoderKLWan(
+        base_dim=4,
+        z_dim=4,
+        dim_mult=[1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        scale_factor_spatial=4,
+        scale_factor_temporal=2,
+    )
+
+
+def test_vae_training_is_deterministic_and_learns():
+    config = training.VaeTraining(steps=4, batch=2, frames=5, height=16, width=16, warmup=1, lr=5e-3)
+    first, second = _tiny_vae(), _tiny_vae()
+    losses = training.train_vae(first, config, progress=False)
+    assert losses == training.train_vae(second, config, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    assert losses[-1] < losses[0]
+    other = training.train_vae(
+        _tiny_vae(), training.VaeTraining(**{**config.__dict__, "seed": 1}), progress=False
+    )
+    assert other != losses
+
+
+def test_expert_training_is_deterministic_and_keeps_the_pipelines_attention(text_parts):
+    from diffusers import WanTransformer3DModel
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    tokenizer, encoder = text_parts
+    vae = _tiny_vae().eval()
+    bank = training.latent_bank(vae, 6, seed=0, frames=5, height=16, width=16)
+    assert bank.latents.shape == (6, 4, 3, 4, 4) and bank.prompts.shape == (6,)
+    torch.testing.assert_close(bank.latents.mean(dim=(0, 2, 3, 4)), torch.zeros(4), atol=1e-5, rtol=0)
+    texts = [p.text for p in task.video_prompts(held_out=False)] + [""]
+    text, bias = training.compact_text(training.prompt_embeddings(tokenizer, encoder, texts), 12)
+
+    def expert():
+        torch.manual_seed(1)
+        return WanTransformer3DModel(
+            patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+            text_dim=TEXT_ENCODER["d_model"], freq_dim=32, ffn_dim=32, num_layers=1, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+        )  # fmt: skip
+
+    config = training.ExpertTraining(
+        steps=3, sigma_low=0.875, sigma_high=1.0, batch=2, warmup=1, drop_prompt=0.5
+    )
+    first, second = expert(), expert()
+    losses = training.train_expert(first, bank, text, bias, config, progress=False)
+    assert losses == training.train_expert(second, bank, text, bias, config, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    assert all(isinstance(block.attn2.processor, WanAttnProcessor) for block in first.blocks)
+    with pytest.raises(ValueError, match=r"text has 3 rows; expected one per training prompt \(160\)"):
+        training.train_expert(expert(), bank, text[:3], bias[:3], config, progress=False)
