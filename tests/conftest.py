@@ -14,6 +14,9 @@ runs in the same pytest process (msModelSlim's quantizers) changes behaviour whe
 package's logger (and vLLM-Omni's) is a child of ``vllm``, which does not propagate to the root
 logger where pytest's handler sits (autouse, for tests that ask for ``caplog``).
 
+Autouse checks after each test or module: Python dispatch is still on in the thread
+(``_python_dispatch_stays_on``) and ``torch.distributed`` is torn down (module-scoped).
+
 Under pytest-xdist (``scripts/test.sh``), every test is put in a group of tests that share what is
 expensive to build, and the longest groups start first: :mod:`tests.support.scheduling`.
 """

@@ -9,20 +9,10 @@ import pytest
 import torch
 
 from vllm_omni_mxfp4_tiny import task, training
+from vllm_omni_mxfp4_tiny.wan import TEXT_ENCODER_CONFIG
 
-TEXT_ENCODER = {
-    "vocab_size": len(training.task_vocabulary()),
-    "d_model": 32,
-    "d_kv": 8,
-    "d_ff": 64,
-    "num_layers": 2,
-    "num_heads": 4,
-    "relative_attention_num_buckets": 8,
-    "relative_attention_max_distance": 16,
-    "pad_token_id": 0,
-    "eos_token_id": 1,
-    "decoder_start_token_id": 0,
-}
+# the random tiny Wan's text encoder, over the task's vocabulary
+TEXT_ENCODER = {**TEXT_ENCODER_CONFIG, "vocab_size": len(training.task_vocabulary())}
 
 
 @pytest.fixture(scope="module")

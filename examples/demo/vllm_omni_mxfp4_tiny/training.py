@@ -186,6 +186,17 @@ def cosine_learning_rate(step: int, steps: int, peak: float, warmup: int, floor:
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _optimizer_step(optimizer: torch.optim.Optimizer, module: Any, loss: torch.Tensor, lr: float) -> float:
+    """One step of both loops at learning rate ``lr``: gradients clipped to norm 1; returns the loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    optimizer.step()
+    return float(loss.detach())
+
+
 def video_batch(
     rng: np.random.Generator,
     prompts: Sequence[VideoPrompt],
@@ -253,14 +264,8 @@ def train_vae(vae: Any, config: VaeTraining, *, progress: bool = True) -> list[f
         videos, _ = video_batch(
             rng, prompts, config.batch, frames=config.frames, height=config.height, width=config.width
         )
-        for group in optimizer.param_groups:
-            group["lr"] = cosine_learning_rate(step, config.steps, config.lr, config.warmup)
-        loss = vae_loss(vae, videos, config)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        losses.append(float(loss.detach()))
+        lr = cosine_learning_rate(step, config.steps, config.lr, config.warmup)
+        losses.append(_optimizer_step(optimizer, vae, vae_loss(vae, videos, config), lr))
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
     vae.eval()
     return losses
@@ -350,14 +355,9 @@ def train_expert(
         x0 = bank.latents[pick]
         noise = torch.randn(x0.shape, generator=generator)
         processor.bias = bias[rows]
-        for group in optimizer.param_groups:
-            group["lr"] = cosine_learning_rate(step, config.steps, config.lr, config.warmup)
+        lr = cosine_learning_rate(step, config.steps, config.lr, config.warmup)
         loss = flow_matching_loss(transformer, x0, sigma, noise, text[rows])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
-        optimizer.step()
-        losses.append(float(loss.detach()))
+        losses.append(_optimizer_step(optimizer, transformer, loss, lr))
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
