@@ -52,6 +52,8 @@ POSITIONS: dict[str, tuple[float, float]] = {
 HELD_OUT_PAIRS = frozenset({("blue", "triangle"), ("yellow", "circle")})
 #: The shape's half-extent, as a fraction of the shorter frame side, is drawn from this range.
 SIZE_RANGE = (0.15, 0.2)
+#: Training renders draw their seeds below this; evaluation uses seeds from it up, never seen.
+TRAINING_SEEDS = 1_000_000
 _DIRECTION_VECTORS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0), "down": (0.0, 1.0)}
 _SUPERSAMPLE = 4
 
@@ -153,6 +155,16 @@ def image_prompts(held_out: bool | None = None) -> list[ImagePrompt]:
     """Every image prompt in a fixed order; only the held-out (True) or the training (False) ones."""
     every = [ImagePrompt(*c) for c in itertools.product(COLOURS, SHAPES, POSITIONS, BACKGROUNDS)]
     return [p for p in every if held_out is None or p.held_out == held_out]
+
+
+def sample_prompts(prompts: list[VideoPrompt], count: int, seed: int = 0) -> list[VideoPrompt]:
+    """``count`` of ``prompts`` drawn without replacement from ``seed``, in their list order: a fixed
+    evaluation set that still covers the vocabulary (a stride through the list would not: its
+    order cycles the background fastest)."""
+    if not 0 < count <= len(prompts):
+        raise ValueError(f"sample_prompts: count must be in [1, {len(prompts)}], got {count}")
+    picked = np.random.default_rng([seed, 3]).choice(len(prompts), size=count, replace=False)
+    return [prompts[i] for i in sorted(picked)]
 
 
 def shape_coverage(shape: str, cx: float, cy: float, radius: float, height: int, width: int) -> np.ndarray:

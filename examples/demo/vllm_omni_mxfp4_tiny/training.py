@@ -38,15 +38,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .task import VideoPrompt, image_prompts, render_video, video_prompts
+from .task import TRAINING_SEEDS, VideoPrompt, image_prompts, render_video, video_prompts
 
 MAX_SEQUENCE_LENGTH = 512
 """The padded text length vLLM-Omni's Wan2.2 pipeline gives the transformer (``max_sequence_length``)."""
 
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")
-
-TRAINING_SEEDS = 1_000_000
-"""Training renders draw their seeds below this; evaluation uses seeds from it up, never seen."""
 
 
 def task_vocabulary() -> tuple[str, ...]:

@@ -1,0 +1,59 @@
+"""Prompt accuracy in the demo: a fixed set of task prompts and unseen seeds that every mode's engine
+also generates, read back by the detector (:mod:`vllm_omni_mxfp4_tiny.detect`).
+
+The set is the same for every mode and every run: :data:`SEEN` prompts the trained tiny Wan2.2 was
+trained on and :data:`HELD_OUT` prompts with colour x shape pairs it never saw
+(:data:`~vllm_omni_mxfp4_tiny.task.HELD_OUT_PAIRS`), each with the :data:`SEEDS` (all at or above
+:data:`~vllm_omni_mxfp4_tiny.task.TRAINING_SEEDS`, so no video of the set was a training example).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from vllm_omni_mxfp4_tiny.detect import prompt_accuracy
+from vllm_omni_mxfp4_tiny.task import TRAINING_SEEDS, VideoPrompt, sample_prompts, video_prompts
+
+SEEN = 8
+HELD_OUT = 4
+#: sample_prompts seeds of the two groups, picked once so that the seen prompts hold each colour and
+#: each direction twice, every shape, each speed and background four times, and the held-out ones
+#: every direction, both speeds and both backgrounds.
+SEEN_SAMPLE, HELD_OUT_SAMPLE = 199, 4
+SEEDS = (TRAINING_SEEDS, TRAINING_SEEDS + 1, TRAINING_SEEDS + 2)
+
+
+def requests() -> list[tuple[VideoPrompt, int, bool]]:
+    """Every (prompt, seed, held out) of the set, seen prompts first."""
+    groups = (
+        (sample_prompts(video_prompts(held_out=False), SEEN, SEEN_SAMPLE), False),
+        (sample_prompts(video_prompts(held_out=True), HELD_OUT, HELD_OUT_SAMPLE), True),
+    )
+    return [(prompt, seed, held) for prompts, held in groups for prompt in prompts for seed in SEEDS]
+
+
+def job_requests() -> list[tuple[str, int]]:
+    """The set as an engine job's ``evaluation`` requests."""
+    return [(prompt.text, seed) for prompt, seed, _ in requests()]
+
+
+def score(videos: np.ndarray) -> dict[str, Any]:
+    """Prompt accuracy of one mode's ``videos`` (one per :func:`requests` entry, in order): for the
+    seen and the held-out prompts, the share with every attribute right and the share per attribute."""
+    wanted = requests()
+    if len(videos) != len(wanted):
+        raise ValueError(
+            f"prompt accuracy: expected {len(wanted)} videos, one per request, got {len(videos)}"
+        )
+    record: dict[str, Any] = {}
+    for key, held in (("seen", False), ("held_out", True)):
+        pairs = [(prompt, video) for (prompt, _, h), video in zip(wanted, videos) if h == held]
+        accuracy = prompt_accuracy(pairs)
+        record[key] = {
+            "videos": accuracy.outputs,
+            "accuracy": accuracy.value,
+            "per_attribute": accuracy.per_attribute,
+        }
+    return record
