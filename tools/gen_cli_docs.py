@@ -60,6 +60,10 @@ def _models_parser() -> argparse.ArgumentParser:
     return importlib.import_module("vllm_omni_mxfp4_demo.models").build_parser()
 
 
+def _trained_wan_parser() -> argparse.ArgumentParser:
+    return importlib.import_module("vllm_omni_mxfp4_tiny.trained_wan").build_parser()
+
+
 PROGRAMS: tuple[Program, ...] = (
     Program(
         "vllm-omni-mxfp4",
@@ -82,6 +86,12 @@ PROGRAMS: tuple[Program, ...] = (
         "python -m vllm_omni_mxfp4_demo.models",
         _models_parser,
         "The end-to-end runs of every model family ([e2e_models.md](e2e_models.md)), in the demo's package.",
+    ),
+    Program(
+        "python -m vllm_omni_mxfp4_tiny.trained_wan",
+        _trained_wan_parser,
+        "Trains the tiny two-expert Wan2.2 on the synthetic task (vllm_omni_mxfp4_tiny/task.py) and writes "
+        "it with a manifest of its recipe, measured numbers and SHA-256s; in the demo's package.",
     ),
 )
 

@@ -19,7 +19,9 @@ more user of it.
   vocabulary, seeded renders of them) and a detector with no learned weights that reads a prompt
   back from the pixels (prompt accuracy); :mod:`.training`, the pieces trained tiny Wan2.2 models
   are taught with (the pipeline's text encoding, flow matching per expert, an exact compact
-  cross-attention for training, the VAE and expert loops);
+  cross-attention for training, the VAE and expert loops); :mod:`.trained_wan`, the command that
+  trains the tiny Wan2.2 with them from fixed seeds and writes it with a manifest (recipe, measured
+  prompt accuracy, SHA-256 of every file);
 - :mod:`.engine_job`: ``Omni`` once, frames saved, in a process of its own
   (``python -m vllm_omni_mxfp4_tiny.engine_job JOB.json``);
 - :mod:`.runner`: bounded subprocesses whose process groups are reaped (the engine job among them);

@@ -1,0 +1,91 @@
+"""The training command of the tiny Wan2.2 (vllm_omni_mxfp4_tiny/trained_wan.py), on its quick recipe:
+deterministic, a diffusers pipeline of the layout the quantizers need, and a manifest that names
+every changed, missing or extra file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors import safe_open
+
+from vllm_omni_mxfp4_tiny import trained_wan
+from vllm_omni_mxfp4_tiny.task import TRAINING_SEEDS
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trained_wan")
+    return [
+        trained_wan.train_wan(root / name, trained_wan.quick_recipe(), progress=False) for name in "ab"
+    ], root
+
+
+def test_training_command_is_deterministic(quick_runs):
+    (first, second), _ = quick_runs
+    assert first["metrics"]["final_loss"] == second["metrics"]["final_loss"]
+    assert first["sha256"] == second["sha256"]
+    assert {
+        "transformer/diffusion_pytorch_model.safetensors",
+        "vae/diffusion_pytorch_model.safetensors",
+    } <= set(first["sha256"])
+
+
+def test_pipeline_has_the_layout_the_quantizers_need(quick_runs):
+    """K >= 256 on every Linear (MX 32-blocks, DualScale 512-blocks, TP shards), at least 6 blocks
+    (msModelSlim's recipes keep blocks 0-4 in MXFP8), BF16 experts, and the manifest's configs."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    (manifest, _), root = quick_runs
+    assert manifest["configs"]["transformer"] == trained_wan.TRANSFORMER_CONFIG
+    assert manifest["configs"]["text_encoder"] == trained_wan.text_encoder_config()
+    index = json.loads((root / "a" / "model_index.json").read_text())
+    assert index["_class_name"] == "WanPipeline" and index["boundary_ratio"] == trained_wan.BOUNDARY_RATIO
+    vae = json.loads((root / "a" / "vae" / "config.json").read_text())
+    assert len(vae["latents_mean"]) == len(vae["latents_std"]) == vae["z_dim"]
+    assert all(s > 0 for s in vae["latents_std"])
+    for name in ("transformer", "transformer_2"):
+        weights = root / "a" / name / "diffusion_pytorch_model.safetensors"
+        with safe_open(str(weights), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118 (not iterable)
+        model = WanTransformer3DModel.from_pretrained(root / "a" / name)
+        assert len(model.blocks) >= 6
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        assert linears and all(m.in_features >= 256 for m in linears.values()), {
+            n: m.in_features for n, m in linears.items() if m.in_features < 256
+        }
+    evaluation = manifest["metrics"]["diffusers_fp32_eval"]
+    assert min(evaluation["seeds"]) >= TRAINING_SEEDS
+    assert evaluation["seen_prompts"]["videos"] == evaluation["held_out_prompts"]["videos"] == 2
+
+
+def test_a_changed_missing_or_extra_file_is_named(quick_runs, tmp_path):
+    _, root = quick_runs
+    copy = tmp_path / "pipeline"
+    shutil.copytree(root / "a", copy)
+    trained_wan.verify_manifest(copy)
+    weights = copy / "vae" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(
+        ValueError, match=r"vae/diffusion_pytorch_model.safetensors: SHA-256 .* but the manifest"
+    ):
+        trained_wan.verify_manifest(copy)
+    weights.unlink()
+    (copy / "notes.txt").write_text("x")
+    with pytest.raises(ValueError) as error:
+        trained_wan.verify_manifest(copy)
+    assert "vae/diffusion_pytorch_model.safetensors: missing" in str(error.value)
+    assert "notes.txt: not in the manifest" in str(error.value)
+    (copy / trained_wan.MANIFEST).unlink()
+    with pytest.raises(ValueError, match=r"no TRAINING.json"):
+        trained_wan.verify_manifest(copy)
+
+
+def test_quick_flag_refuses_to_overwrite_the_shipped_weights(capsys):
+    with pytest.raises(SystemExit):
+        trained_wan.main(["--quick"])
+    assert "--quick would overwrite the shipped weights" in capsys.readouterr().err
