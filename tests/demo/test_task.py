@@ -88,6 +88,26 @@ def test_renders_are_deterministic_in_the_seed_and_stay_inside_the_frame():
         assert np.allclose(border, background, atol=1e-6), prompt.text
 
 
+def test_paths_are_centred_up_to_the_jitter():
+    # A prompt pins its video down: the path's midpoint (mean of the first and last frames' centres of
+    # mass) is within PATH_JITTER of the frame's centre, whatever the seed, direction and speed.
+    limit = task.PATH_JITTER * 32 + 0.05
+    midpoints = []
+    for prompt in task.video_prompts()[::5]:
+        if prompt.shape == "triangle":  # its centre of mass is not its centre
+            continue
+        for seed in range(3):
+            video = task.render_video(prompt, seed)
+            mass = np.linalg.norm(video - np.asarray(task.BACKGROUNDS[prompt.background]), axis=-1)
+            ys, xs = np.arange(32).reshape(1, -1, 1), np.arange(32).reshape(1, 1, -1)
+            cy = (mass * ys).sum(axis=(1, 2)) / mass.sum(axis=(1, 2)) + 0.5
+            cx = (mass * xs).sum(axis=(1, 2)) / mass.sum(axis=(1, 2)) + 0.5
+            mid = np.array([(cx[0] + cx[-1]) / 2, (cy[0] + cy[-1]) / 2])
+            assert np.all(np.abs(mid - 16.0) <= limit), (prompt.text, seed, mid)
+            midpoints.append(mid)
+    assert np.ptp(np.array(midpoints), axis=0).min() > 1.0  # the seed does move it
+
+
 def test_a_frame_too_small_for_the_path_is_refused():
     task.render_video(VIDEO, 0, height=16, width=16)  # the smallest size the message recommends
     fast = dataclasses.replace(VIDEO, speed="quickly")
