@@ -105,6 +105,23 @@ def test_cosine_learning_rate_warms_up_then_decays_to_its_floor():
     assert lr[100] == pytest.approx(1e-4)
 
 
+def test_shifted_noise_levels_are_the_ones_the_pipelines_sampler_visits():
+    # diffusers' UniPC scheduler with flow sigmas and shift 5 (what vLLM-Omni's Wan2.2 samples with)
+    # is the independent reference for the time shift the experts are trained on.
+    from vllm_omni_mxfp4_tiny.trained_wan import scheduler
+
+    sampler = scheduler()
+    sampler.set_timesteps(10)
+    unshifted = torch.linspace(1, 0, 11)[:-1]
+    shifted = training.shifted_sigma(unshifted, sampler.config.flow_shift)
+    torch.testing.assert_close(shifted, sampler.sigmas[:-1].float(), atol=4e-3, rtol=0)
+    for sigma in (0.0, 0.3, 0.875, 1.0):
+        assert training.shifted_sigma(
+            torch.tensor(training.unshifted_time(sigma, 5.0)), 5.0
+        ) == pytest.approx(sigma)
+    assert training.shifted_sigma(unshifted, 1.0).equal(unshifted)
+
+
 def _tiny_vae():
     from diffusers import AutoencoderKLWan
 

@@ -19,7 +19,10 @@ trained with it load and run there unchanged:
 - **Flow matching.** :func:`flow_matching_loss` is the objective vLLM-Omni's flow-prediction
   schedulers invert: ``x_t = (1 - sigma) x_0 + sigma * noise``, timestep ``1000 * sigma``, target
   ``noise - x_0``; each expert of a two-expert pipeline is trained on its own side of the
-  ``boundary_ratio`` (the high-noise ``transformer`` on ``sigma >= boundary_ratio``).
+  ``boundary_ratio`` (the high-noise ``transformer`` on ``sigma >= boundary_ratio``). Noise levels
+  are drawn as the sampler visits them: uniform in the unshifted time, then through the pipeline's
+  ``flow_shift`` (:func:`shifted_sigma`), so an expert learns most where inference spends its steps
+  (with shift 5, half of a 10-step run is above sigma 0.875).
 - **The loops.** :func:`train_vae` trains an ``AutoencoderKLWan`` on renders of the training prompts;
   :func:`latent_bank` encodes a fixed set of renders once; :func:`train_expert` trains one expert on
   it. Each is deterministic in its config's seed (same losses, same weights) and shows its loss in
@@ -175,6 +178,17 @@ def flow_matching_loss(
     return F.mse_loss(predicted.float(), (noise - x0).float())
 
 
+def shifted_sigma(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """The flow scheduler's time shift, ``shift * u / (1 + (shift - 1) * u)``: unshifted time ``u``
+    in [0, 1] to the noise level the sampler runs at."""
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def unshifted_time(sigma: float, shift: float) -> float:
+    """The inverse of :func:`shifted_sigma`."""
+    return sigma / (shift - (shift - 1) * sigma)
+
+
 def cosine_learning_rate(step: int, steps: int, peak: float, warmup: int, floor: float = 0.1) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine decay to ``floor * peak`` at ``steps``."""
     if step < warmup:
@@ -302,8 +316,9 @@ def latent_bank(
 @dataclass(frozen=True)
 class ExpertTraining:
     """How one expert is trained with :func:`flow_matching_loss` on noise levels in
-    ``[sigma_low, sigma_high)``; ``drop_prompt`` of the samples see the empty prompt instead (the
-    unconditional branch classifier-free guidance needs)."""
+    ``[sigma_low, sigma_high)``, drawn uniform in the unshifted time and mapped through
+    :func:`shifted_sigma` with ``shift`` (1: uniform in sigma); ``drop_prompt`` of the samples see the
+    empty prompt instead (the unconditional branch classifier-free guidance needs)."""
 
     steps: int
     sigma_low: float
@@ -313,6 +328,7 @@ class ExpertTraining:
     warmup: int = 50
     weight_decay: float = 0.01
     drop_prompt: float = 0.1
+    shift: float = 1.0
     seed: int = 0
 
 
@@ -337,6 +353,7 @@ def train_expert(
         )
     processor = use_compact_cross_attention(transformer)
     generator = torch.Generator().manual_seed(config.seed)
+    u_low, u_high = (unshifted_time(s, config.shift) for s in (config.sigma_low, config.sigma_high))
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     transformer.train()
     losses: list[float] = []
@@ -346,8 +363,8 @@ def train_expert(
         rows = bank.prompts[pick]
         dropped = torch.rand(config.batch, generator=generator) < config.drop_prompt
         rows = torch.where(dropped, torch.full_like(rows, empty), rows)
-        sigma = config.sigma_low + (config.sigma_high - config.sigma_low) * torch.rand(
-            config.batch, generator=generator
+        sigma = shifted_sigma(
+            u_low + (u_high - u_low) * torch.rand(config.batch, generator=generator), config.shift
         )
         x0 = bank.latents[pick]
         noise = torch.randn(x0.shape, generator=generator)
