@@ -164,6 +164,52 @@ def test_table_rows():
     )
 
 
+def test_table_rows_add_prompt_accuracy_when_a_mode_was_scored():
+    base = {"psnr": 30.0, "cosine": 0.99, "weight_bytes": report.MIB, "backend_bytes": 0, "load_s": 1.0}
+    scored = {
+        "seen": {"videos": 24, "accuracy": 0.875, "per_attribute": {}},
+        "held_out": {"videos": 12, "accuracy": 0.25, "per_attribute": {}},
+    }
+    results = [
+        {"mode": "bf16", **base, "gen_s": 1.0, "accuracy": scored},
+        {"mode": "mxfp4", **base, "gen_s": 1.0},  # scored nowhere: not available
+        {"mode": "offline", "error": "boom"},
+    ]
+    rows = report.table_rows(results)
+    assert rows[0][:5] == ["mode", "PSNR dB", "cosine", "accuracy seen", "accuracy held-out"]
+    assert rows[1][3:5] == ["88% of 24", "25% of 12"] and rows[2][3:5] == ["n/a", "n/a"]
+    assert rows[3] == ["offline", "failed"] + [""] * (len(rows[0]) - 2)
+    assert all(len(row) == len(rows[0]) for row in rows)
+    assert "accuracy" not in " ".join(report.table_rows([dict(results[1])])[0])
+
+
+def test_a_trained_model_takes_the_tasks_defaults_and_explicit_flags_win(tmp_path):
+    args = modes.build_parser().parse_args(["--model", str(tmp_path), "--steps", "3", "--seed", "0"])
+    size = modes.resolve_defaults(args, trained=True)
+    assert size == {**{k: modes.TRAINED_DEFAULTS[k] for k in modes.SIZE_KEYS}, "steps": 3}
+    assert args.seed == 0 and args.prompt == modes.TRAINED_DEFAULTS["prompt"] and args.negative_prompt == ""
+    from vllm_omni_mxfp4_tiny.task import VideoPrompt
+
+    assert not VideoPrompt.parse(args.prompt).held_out  # a prompt the model was trained on
+    args = modes.build_parser().parse_args([])
+    assert modes.resolve_defaults(args, trained=False)["height"] == modes.TINY_DEFAULTS["height"]
+    assert args.guidance_scale == modes.TINY_DEFAULTS["guidance_scale"]
+    args = modes.build_parser().parse_args(["--model", str(tmp_path)])
+    assert modes.resolve_defaults(args, trained=False)["num_frames"] == modes.MODEL_DEFAULTS["num_frames"]
+
+
+def test_a_trained_model_whose_files_changed_exits_2(tmp_path, capsys):
+    from vllm_omni_mxfp4_tiny.trained_wan import MANIFEST, file_hashes
+
+    (tmp_path / "model_index.json").write_text("{}")
+    (tmp_path / MANIFEST).write_text(json.dumps({"sha256": file_hashes(tmp_path)}))
+    assert main.is_trained(tmp_path)
+    (tmp_path / "model_index.json").write_text('{"changed": true}')
+    assert main.main(["--model", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"--model {tmp_path}" in err and "model_index.json: SHA-256" in err
+
+
 def _transformer(name: str, method: str, weight_bytes: int) -> dict:
     linear = {"layer": "blocks.0.ffn.net_2", "method": method}
     if method != "bf16":
@@ -224,3 +270,15 @@ def test_engine_job_input(tmp_path):
     assert model_boundary_ratio(tmp_path) is None
     (tmp_path / "model_index.json").write_text(json.dumps({"boundary_ratio": 0.9}))
     assert model_boundary_ratio(tmp_path) == 0.9
+
+
+def test_engine_job_evaluation_requests_are_checked_by_index():
+    good = {"model": "m", "out": "o", "evaluation": [["a red circle", 1_000_000], ["a blue square", 7]]}
+    assert Job.from_dict(json.loads(json.dumps(good))).evaluation == [
+        ["a red circle", 1_000_000],
+        ["a blue square", 7],
+    ]
+    for bad in (["a blue square"], ["a blue square", "7"], [7, "a blue square"], ["a blue square", True]):
+        data = {**good, "evaluation": [good["evaluation"][0], bad]}
+        with pytest.raises(ValueError, match=r"evaluation\[1\] is .*; expected \[prompt, seed\]"):
+            Job.from_dict(data)

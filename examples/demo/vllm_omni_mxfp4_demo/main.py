@@ -4,20 +4,26 @@
     python -m vllm_omni_mxfp4_demo --model /path/to/Wan2.2-T2V-A14B-Diffusers [--quant-path EXPORT]
 
 Without ``--model`` it builds the embedded tiny two-expert Wan2.2 text-to-video pipeline (random
-weights, seconds on a CPU; :mod:`vllm_omni_mxfp4_tiny`), then:
+weights, seconds on a CPU; :mod:`vllm_omni_mxfp4_tiny`); ``--model`` a trained tiny one
+(:mod:`vllm_omni_mxfp4_tiny.trained_wan`, its files checked against the SHA-256 its manifest
+records) adds prompt accuracy. Then it:
 
 1. quantizes it offline with msModelSlim and merges the export into a diffusers checkpoint
-   (:mod:`vllm_omni_mxfp4_demo.offline`);
+   (:mod:`vllm_omni_mxfp4_demo.offline`), and merges the exports of msModelSlim's shipped recipes;
 2. generates the same prompt and seed through ``vllm_omni.Omni`` once per mode
    (:data:`~vllm_omni_mxfp4_demo.modes.MODES`), each engine in a process of its own
-   (:mod:`vllm_omni_mxfp4_tiny.engine_job`, run by :mod:`vllm_omni_mxfp4_tiny.runner`);
-3. prints a table — PSNR and cosine similarity of the frames against BF16, the transformers' weight
-   bytes in memory, engine start and generation time — and writes one video per mode, a PNG strip of
-   frames of every mode, and the numbers as JSON and Markdown (:mod:`vllm_omni_mxfp4_demo.report`).
+   (:mod:`vllm_omni_mxfp4_tiny.engine_job`, run by :mod:`vllm_omni_mxfp4_tiny.runner`), and with the
+   same engine, for a trained tiny model, the fixed prompt-accuracy set
+   (:mod:`vllm_omni_mxfp4_demo.accuracy`);
+3. prints a table — PSNR and cosine similarity of the frames against BF16, prompt accuracy on seen
+   and held-out prompts (trained tiny model), the transformers' weight bytes in memory, engine start
+   and generation time — and writes one video per mode, a PNG strip of frames of every mode, and the numbers as JSON and
+   Markdown (:mod:`vllm_omni_mxfp4_demo.report`).
 
 With ``--model PATH`` the same modes run on that checkpoint on whatever platform vLLM-Omni finds
 (an accelerator, else the CPU platform); the offline mode then needs ``--quant-path`` (an existing
-msModelSlim export of that model) and is skipped without it.
+msModelSlim export of that model) and is skipped without it, except for a trained tiny model, which
+the demo quantizes itself as it does the embedded one.
 """
 
 from __future__ import annotations
@@ -37,10 +43,11 @@ from tqdm import tqdm
 
 from vllm_omni_mxfp4_tiny.engine_job import Job, model_boundary_ratio
 from vllm_omni_mxfp4_tiny.runner import RunFailed, run_engine_job
+from vllm_omni_mxfp4_tiny.trained_wan import MANIFEST, verify_manifest
 
-from . import nvfp4_quality, report
+from . import accuracy, nvfp4_quality, report
 from .media import video_frames
-from .modes import MODEL_DEFAULTS, PROG, TINY_DEFAULTS, Mode, build_parser, parallel_kwargs
+from .modes import PROG, Mode, build_parser, parallel_kwargs, resolve_defaults
 from .offline import SAME_CHECKPOINT, offline_checkpoint, recipe_checkpoint
 
 
@@ -92,20 +99,40 @@ def _model(args: argparse.Namespace, progress: Progress) -> Path | int:
         return _error(f"--model {model}: not a diffusers pipeline directory (no model_index.json)")
     if args.quant_path is not None and not Path(args.quant_path).expanduser().is_dir():
         return _error(f"--quant-path {args.quant_path}: no such directory")
+    if is_trained(model):
+        try:
+            verify_manifest(model)
+        except ValueError as exc:
+            return _error(f"--model {model}: {exc}")
+        progress.say(
+            f"model: a trained tiny Wan2.2 ({model / MANIFEST}): task defaults, prompt accuracy scored"
+        )
     return model
+
+
+def is_trained(model: Path) -> bool:
+    """Whether ``model`` is a trained tiny Wan2.2 (it carries the training manifest): the task's
+    generation defaults apply and prompt accuracy is scored."""
+    return (model / MANIFEST).is_file()
+
+
+def _own_exports(run: DemoRun) -> bool:
+    """Whether the demo makes the msModelSlim exports itself: for the tiny models (embedded or trained),
+    which msModelSlim quantizes on the CPU in seconds."""
+    return run.args.model is None or is_trained(run.model)
 
 
 def _offline_step(run: DemoRun, progress: Progress) -> None:
     """Make the offline mode's checkpoint; a failure fails that mode only, a missing export skips it."""
     if not any(m.offline for m in run.modes):
         return
-    if run.args.model is not None and run.args.quant_path is None:
+    if not _own_exports(run) and run.args.quant_path is None:
         progress.say(
             "offline mode skipped: --model without --quant-path (give an msModelSlim export of the model)"
         )
         run.modes = [m for m in run.modes if not m.offline]
         return
-    quant_path = None if run.args.model is None else Path(run.args.quant_path).expanduser().absolute()
+    quant_path = None if _own_exports(run) else Path(run.args.quant_path).expanduser().absolute()
     try:
         run.offline_model = offline_checkpoint(run.model, quant_path, run.out, progress.say)
     except Exception as exc:  # the other modes still run; the summary reports this one
@@ -116,7 +143,7 @@ def _offline_step(run: DemoRun, progress: Progress) -> None:
 def _recipe_step(run: DemoRun, progress: Progress) -> None:
     """Make each recipe mode's checkpoint (tiny model only); a failure fails that mode only."""
     recipes = [m for m in run.modes if m.recipe is not None]
-    if recipes and run.args.model is not None:
+    if recipes and not _own_exports(run):
         progress.say(
             "recipe modes skipped with --model: run `msmodelslim quant` with the recipe on the NPU, merge it "
             "(docs/user_guide.md) and run that checkpoint"
@@ -156,6 +183,7 @@ def _job(run: DemoRun, mode: Mode, kwargs: dict[str, Any]) -> Job:
         guidance_scale=run.args.guidance_scale,
         boundary_ratio=model_boundary_ratio(run.model),
         report=True,
+        evaluation=accuracy.job_requests() if is_trained(run.model) else [],
         **run.size,
     )
 
@@ -190,6 +218,10 @@ def _run_mode(run: DemoRun, mode: Mode, tag: str, progress: Progress) -> None:
         transformers=transformers,
     )
     run.frames[mode.name] = video_frames(np.load(Path(job.out) / "frames_0.npy"))
+    if job.evaluation:
+        videos = np.load(Path(job.out) / "evaluation.npy")
+        entry["accuracy"] = accuracy.score(np.stack([video_frames(v) for v in videos]))
+        entry["evaluation_s"] = result["evaluation_s"]
     if len(job.seeds) > 1:
         run.other_seed_frames = video_frames(np.load(Path(job.out) / "frames_1.npy"))
     progress.say(f"{tag}: engine started in {result['load_s']:.1f} s, generated in {entry['gen_s']:.2f} s")
@@ -234,8 +266,7 @@ def run(args: argparse.Namespace) -> int:
     model = _model(args, progress)
     if isinstance(model, int):
         return model
-    defaults = TINY_DEFAULTS if args.model is None else MODEL_DEFAULTS
-    size = {key: getattr(args, key) or default for key, default in defaults.items()}
+    size = resolve_defaults(args, is_trained(model))
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     demo = DemoRun(args, model, out, list(args.modes), size)

@@ -12,14 +12,51 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_omni_mxfp4_tiny import trained_wan
+from vllm_omni_mxfp4_tiny.task import TRAINING_SEEDS
+
 PROG = "python -m vllm_omni_mxfp4_demo"
 DEFAULT_OUT = "outputs/demo"
-DEFAULT_PROMPT = "a cat walking on the grass"
-DEFAULT_NEGATIVE_PROMPT = "blurry low quality"
+#: Generation defaults. A trained tiny Wan2.2 (a pipeline directory with the training manifest,
+#: vllm_omni_mxfp4_tiny.trained_wan) runs as its training evaluated it: a prompt it was trained on, a
+#: seed training never used, the empty negative prompt it learned as the unconditional branch.
+TRAINED_DEFAULTS: dict[str, Any] = {
+    "height": trained_wan.HEIGHT,
+    "width": trained_wan.WIDTH,
+    "num_frames": trained_wan.FRAMES,
+    "steps": trained_wan.EVAL_STEPS,
+    "prompt": "a red circle moving right quickly on a black background",
+    "negative_prompt": "",
+    "seed": TRAINING_SEEDS,
+    "guidance_scale": trained_wan.EVAL_GUIDANCE,
+}
+#: Without --model: the embedded tiny pipeline with random weights.
+TINY_DEFAULTS: dict[str, Any] = {
+    "height": 64,
+    "width": 64,
+    "num_frames": 17,
+    "steps": 20,
+    "prompt": "a cat walking on the grass",
+    "negative_prompt": "blurry low quality",
+    "seed": 42,
+    "guidance_scale": 5.0,
+}
+#: A real Wan2.2 checkpoint (the user guide's settings).
+MODEL_DEFAULTS: dict[str, Any] = {**TINY_DEFAULTS, "height": 480, "width": 832, "num_frames": 81, "steps": 40}
+SIZE_KEYS = ("height", "width", "num_frames", "steps")
 
-#: Generation defaults: the tiny model (no --model) and a real Wan2.2 checkpoint (the user guide's).
-TINY_DEFAULTS = {"height": 64, "width": 64, "num_frames": 17, "steps": 20}
-MODEL_DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "steps": 40}
+
+def resolve_defaults(args: argparse.Namespace, trained: bool) -> dict[str, int]:
+    """Fill every generation option left unset on ``args`` with the defaults of its model (``trained``:
+    a trained tiny Wan2.2); returns the size keys the engine jobs take."""
+    if trained:
+        defaults = TRAINED_DEFAULTS
+    else:
+        defaults = TINY_DEFAULTS if args.model is None else MODEL_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return {key: getattr(args, key) for key in SIZE_KEYS}
 
 
 @dataclass(frozen=True)
@@ -67,8 +104,8 @@ MODES: tuple[Mode, ...] = (
     Mode(
         "wan-w4a4f4",
         "msModelSlim's shipped Wan2.2 recipe wan2_2_w4a4f4_mxfp_t2v (W8A8 MXFP8 blocks 0-4, W4A4 MXFP4 "
-        "after: the tiny model's 2 blocks are all MXFP8; QuaRot and FA3 left out, attention BF16), merged, "
-        "auto-detected",
+        "after: the random tiny model's 2 blocks are all MXFP8, a trained tiny model's 6 keep block 5 W4A4; "
+        "QuaRot and FA3 left out, attention BF16), merged, auto-detected",
         lambda steps: {},
         recipe="w4a4f4",
     ),
@@ -147,7 +184,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="A diffusers Wan2.2 text-to-video pipeline directory. Default: the embedded tiny two-expert "
-        "pipeline, built on first use.",
+        "pipeline, built on first use. A trained tiny pipeline (python -m vllm_omni_mxfp4_tiny.trained_wan "
+        "--out DIR; its TRAINING.json is checked) runs with the task's defaults and adds prompt accuracy.",
     )
     parser.add_argument(
         "--quant-path",
@@ -164,31 +202,39 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _default_help(key: str) -> str:
+    return (
+        f"tiny: {TINY_DEFAULTS[key]!r}, --model: {MODEL_DEFAULTS[key]!r}, a trained tiny model: "
+        f"{TRAINED_DEFAULTS[key]!r}"
+    )
+
+
 def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--steps", type=positive_int, default=None, help="Denoising steps (tiny: 20, --model: 40)."
+        "--steps", type=positive_int, default=None, help=f"Denoising steps ({_default_help('steps')})."
     )
     parser.add_argument(
-        "--height", type=positive_int, default=None, help="Frame height (tiny: 64, --model: 480)."
+        "--height", type=positive_int, default=None, help=f"Frame height ({_default_help('height')})."
     )
     parser.add_argument(
-        "--width", type=positive_int, default=None, help="Frame width (tiny: 64, --model: 832)."
+        "--width", type=positive_int, default=None, help=f"Frame width ({_default_help('width')})."
     )
     parser.add_argument(
         "--num-frames",
         type=positive_int,
         default=None,
-        help="Frames, 4k+1 for Wan2.2 (tiny: 17, --model: 81).",
+        help=f"Frames, 4k+1 for Wan2.2 ({_default_help('num_frames')}).",
     )
-    parser.add_argument("--seed", type=int, default=42, help="Generation seed (default 42).")
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"Prompt (default {DEFAULT_PROMPT!r}).")
+    parser.add_argument("--seed", type=int, default=None, help=f"Generation seed ({_default_help('seed')}).")
+    parser.add_argument("--prompt", default=None, help=f"Prompt ({_default_help('prompt')}).")
     parser.add_argument(
-        "--negative-prompt",
-        default=DEFAULT_NEGATIVE_PROMPT,
-        help=f"Negative prompt (default {DEFAULT_NEGATIVE_PROMPT!r}).",
+        "--negative-prompt", default=None, help=f"Negative prompt ({_default_help('negative_prompt')})."
     )
     parser.add_argument(
-        "--guidance-scale", type=float, default=5.0, help="Classifier-free guidance scale (default 5.0)."
+        "--guidance-scale",
+        type=float,
+        default=None,
+        help=f"Classifier-free guidance scale ({_default_help('guidance_scale')}).",
     )
 
 

@@ -56,20 +56,33 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec)
 
 
+def _accuracy_cells(entry: dict[str, Any]) -> list[str]:
+    scored = entry.get("accuracy")
+    if scored is None:
+        return ["n/a", "n/a"]
+    return [
+        f"{_fmt(100 * scored[key]['accuracy'], '.0f')}% of {scored[key]['videos']}"
+        for key in ("seen", "held_out")
+    ]
+
+
 def table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
-    """The summary table (header first) from the per-mode result dicts."""
+    """The summary table (header first) from the per-mode result dicts; prompt-accuracy columns when a
+    mode was scored (the trained tiny model's task prompts)."""
     reference = next((r for r in results if r["mode"] == "bf16" and r.get("weight_bytes")), None)
-    rows = [["mode", "PSNR dB", "cosine", "weights MiB", "vs BF16", "+backend MiB", "start s", "gen s"]]
+    scored = any(r.get("accuracy") for r in results)
+    header = ["mode", "PSNR dB", "cosine"]
+    header += ["accuracy seen", "accuracy held-out"] if scored else []
+    rows = [header + ["weights MiB", "vs BF16", "+backend MiB", "start s", "gen s"]]
     for r in results:
         if r.get("error"):
-            rows.append([r["mode"], "failed", "", "", "", "", "", ""])
+            rows.append([r["mode"], "failed"] + [""] * (len(rows[0]) - 2))
             continue
         ratio = r["weight_bytes"] / reference["weight_bytes"] if reference else None
         rows.append(
-            [
-                r["mode"],
-                _fmt(r["psnr"], ".2f"),
-                _fmt(r["cosine"], ".5f"),
+            [r["mode"], _fmt(r["psnr"], ".2f"), _fmt(r["cosine"], ".5f")]
+            + (_accuracy_cells(r) if scored else [])
+            + [
                 _fmt(r["weight_bytes"] / MIB, ".2f"),
                 _fmt(ratio, ".3f") + ("x" if ratio is not None else ""),
                 _fmt(r["backend_bytes"] / MIB, ".2f"),
@@ -148,7 +161,16 @@ def legend(summary: Summary) -> list[str]:
         "+backend MiB: working buffers of the MXFP4 backend on top (the emulated backend caches dequantized "
         "weights for speed; VLLM_OMNI_MXFP4_EMULATED_CACHE=0 turns that off).",
         "start s: Omni(...) construction (load, quantize, warm-up); gen s: omni.generate for one video.",
-    ]
+    ] + (
+        [
+            "accuracy seen / held-out: share of the fixed prompt-accuracy set's videos (task prompts the model "
+            "was trained on / prompts with colour x shape pairs it never saw, each with seeds training never "
+            "used) in which the detector with no learned weights reads every attribute as prompted: colour, "
+            "shape, direction, speed, background (vllm_omni_mxfp4_tiny.detect)."
+        ]
+        if any(r.get("accuracy") for r in summary.results)
+        else []
+    )
 
 
 def _write_files(summary: Summary, rows: list[list[str]], notes: list[str]) -> None:

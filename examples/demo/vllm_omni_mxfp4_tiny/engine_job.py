@@ -14,7 +14,11 @@ that one engine, and writes into ``out``:
   ``platform`` (the qualified class of vLLM-Omni's current platform) and ``platform_description``,
   ``outputs`` (per request: seed, output count, ``final_output_type``, Python type, dtype, shape)
   and, with ``report``, ``transformers``: what each transformer of the running engine holds
-  (:mod:`vllm_omni_mxfp4.inspection.engine`).
+  (:mod:`vllm_omni_mxfp4.inspection.engine`);
+- with ``evaluation`` (``[prompt, seed]`` pairs), ``evaluation.npy``: one video per pair, stacked in
+  order (float32 ``(N, F, H, W, 3)``), generated after the seeds with the job's other settings, and
+  ``evaluation_s`` in ``result.json`` (their total generation time). The demo scores them with the
+  task's detector (prompt accuracy).
 
 It always runs in a process of its own (:func:`vllm_omni_mxfp4_tiny.runner.run_engine_job`), so
 that every engine starts fresh, its memory is its own, and its worker processes can be reaped.
@@ -49,6 +53,7 @@ class Job:
     boundary_ratio: float | None = None
     report: bool = False
     image: str | None = None  # input image file of image-to-video pipelines (multi_modal_data)
+    evaluation: list[tuple[str, int]] = field(default_factory=list)  # (prompt, seed) requests
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Job:
@@ -60,7 +65,17 @@ class Job:
             raise ValueError(
                 f"engine job: unknown keys {unknown}, missing keys {missing}; the keys are {sorted(names)}"
             )
-        return cls(**data)
+        job = cls(**data)
+        for index, pair in enumerate(job.evaluation):
+            if not (
+                isinstance(pair, (list, tuple))
+                and len(pair) == 2
+                and isinstance(pair[0], str)
+                and isinstance(pair[1], int)
+                and not isinstance(pair[1], bool)
+            ):
+                raise ValueError(f"engine job: evaluation[{index}] is {pair!r}; expected [prompt, seed]")
+        return job
 
 
 def model_boundary_ratio(model: str | Path) -> float | None:
@@ -85,7 +100,7 @@ def engine_kwargs(job: Job) -> dict[str, Any]:
     return kwargs
 
 
-def _generate(omni: Any, job: Job, seed: int) -> list[Any]:
+def _generate(omni: Any, job: Job, seed: int, prompt_text: str | None = None) -> list[Any]:
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
     params = OmniDiffusionSamplingParams(
@@ -96,7 +111,8 @@ def _generate(omni: Any, job: Job, seed: int) -> list[Any]:
         guidance_scale=job.guidance_scale,
         seed=seed,
     )
-    prompt: dict[str, Any] = {"prompt": job.prompt, "negative_prompt": job.negative_prompt}
+    text = job.prompt if prompt_text is None else prompt_text
+    prompt: dict[str, Any] = {"prompt": text, "negative_prompt": job.negative_prompt}
     if job.image is not None:
         prompt["multi_modal_data"] = {"image": job.image}
     return omni.generate(prompt, params)
@@ -157,6 +173,11 @@ def run_job(job: Job) -> dict[str, Any]:
             result["gen_s"].append(time.perf_counter() - start)
             result["outputs"].append(_describe(outputs, seed))
             np.save(out / f"frames_{index}.npy", _as_array(outputs[0].images))
+        if job.evaluation:
+            start = time.perf_counter()
+            videos = [_as_array(_generate(omni, job, seed, text)[0].images) for text, seed in job.evaluation]
+            result["evaluation_s"] = time.perf_counter() - start
+            np.save(out / "evaluation.npy", np.stack(videos))
         result.update(_platform())
     finally:
         omni.shutdown()
