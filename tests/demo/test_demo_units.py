@@ -278,7 +278,15 @@ def test_engine_job_evaluation_requests_are_checked_by_index():
         ["a red circle", 1_000_000],
         ["a blue square", 7],
     ]
-    for bad in (["a blue square"], ["a blue square", "7"], [7, "a blue square"], ["a blue square", True]):
+    for bad in (
+        ["a blue square"],
+        ["a blue square", -1],
+        ["a blue square", "7"],
+        [7, "a blue square"],
+        ["a blue square", True],
+    ):
         data = {**good, "evaluation": [good["evaluation"][0], bad]}
-        with pytest.raises(ValueError, match=r"evaluation\[1\] is .*; expected \[prompt, seed\]"):
+        with pytest.raises(
+            ValueError, match=r"evaluation\[1\] is .*; expected \[prompt, seed\] with a seed >= 0"
+        ):
             Job.from_dict(data)

@@ -73,8 +73,11 @@ class Job:
                 and isinstance(pair[0], str)
                 and isinstance(pair[1], int)
                 and not isinstance(pair[1], bool)
+                and pair[1] >= 0
             ):
-                raise ValueError(f"engine job: evaluation[{index}] is {pair!r}; expected [prompt, seed]")
+                raise ValueError(
+                    f"engine job: evaluation[{index}] is {pair!r}; expected [prompt, seed] with a seed >= 0"
+                )
         return job
 
 

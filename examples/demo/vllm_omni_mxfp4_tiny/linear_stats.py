@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .trained_wan import generate
+
 logger = logging.getLogger(__name__)
 
 BLOCK = 32
@@ -110,12 +112,10 @@ def linear_stats(
     computing in FP32), from activations captured while it generates ``prompts``."""
     import torch
 
-    from .trained_wan import FRAMES, HEIGHT, WIDTH
-
     captured: dict[str, list[Any]] = {}
     linears: dict[str, Any] = {}
     handles = []
-    generator = torch.Generator().manual_seed(seed)
+    rows_generator = torch.Generator().manual_seed(seed)
     for component in ("transformer", "transformer_2"):
         module = getattr(pipeline, component, None)
         if module is None:
@@ -127,25 +127,12 @@ def linear_stats(
 
                 def hook(layer: Any, inputs: tuple[Any, ...], key: str = key) -> None:
                     rows = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
-                    pick = torch.randperm(rows.shape[0], generator=generator)[:ROWS_PER_CALL]
+                    pick = torch.randperm(rows.shape[0], generator=rows_generator)[:ROWS_PER_CALL]
                     captured[key].append(rows[pick])
 
                 handles.append(layer.register_forward_pre_hook(hook))
     try:
-        pipeline.set_progress_bar_config(disable=True)
-        with torch.no_grad():
-            pipeline(
-                prompt=list(prompts),
-                negative_prompt=[""] * len(prompts),
-                height=HEIGHT,
-                width=WIDTH,
-                num_frames=FRAMES,
-                num_inference_steps=steps,
-                guidance_scale=guidance,
-                guidance_scale_2=guidance,
-                generator=[torch.Generator().manual_seed(seed) for _ in prompts],
-                output_type="np",
-            )
+        generate(pipeline, prompts, seed, steps, guidance)
     finally:
         for handle in handles:
             handle.remove()

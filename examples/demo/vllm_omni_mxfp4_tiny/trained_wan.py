@@ -192,25 +192,33 @@ def evaluate(pipeline: Any, prompts: Sequence[Any], seeds: Sequence[int], steps:
 
     from .detect import prompt_accuracy
 
-    pipeline.set_progress_bar_config(disable=True)
     pairs = []
     for seed in tqdm(seeds, desc="evaluate", leave=False):
         for start in range(0, len(prompts), 16):
             chunk = prompts[start : start + 16]
-            videos = pipeline(
-                prompt=[p.text for p in chunk],
-                negative_prompt=[""] * len(chunk),
-                height=HEIGHT,
-                width=WIDTH,
-                num_frames=FRAMES,
-                num_inference_steps=steps,
-                guidance_scale=guidance,
-                guidance_scale_2=guidance,
-                generator=[torch.Generator().manual_seed(seed) for _ in chunk],
-                output_type="np",
-            ).frames
-            pairs.extend(zip(chunk, videos))
+            pairs.extend(zip(chunk, generate(pipeline, [p.text for p in chunk], seed, steps, guidance)))
     return prompt_accuracy(pairs)
+
+
+def generate(pipeline: Any, texts: Sequence[str], seed: int, steps: int, guidance: float) -> Any:
+    """``pipeline``'s videos of ``texts`` (one batch, each request seeded ``seed``, the empty negative
+    prompt, the same guidance for both experts), as float32 ``(N, F, H, W, 3)`` in [0, 1]."""
+    import torch
+
+    pipeline.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        return pipeline(
+            prompt=list(texts),
+            negative_prompt=[""] * len(texts),
+            height=HEIGHT,
+            width=WIDTH,
+            num_frames=FRAMES,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            guidance_scale_2=guidance,
+            generator=[torch.Generator().manual_seed(seed) for _ in texts],
+            output_type="np",
+        ).frames
 
 
 def _psnr(vae: Any, recipe: WanRecipe) -> float:
