@@ -187,7 +187,6 @@ def scheduler() -> Any:
 def evaluate(pipeline: Any, prompts: Sequence[Any], seeds: Sequence[int], steps: int, guidance: float) -> Any:
     """Prompt accuracy (:class:`.detect.Accuracy`) of ``pipeline`` (a diffusers ``WanPipeline``) over
     ``prompts`` x ``seeds``, one video per pair, generated as vLLM-Omni's Wan2.2 does by default."""
-    import torch
     from tqdm import tqdm
 
     from .detect import prompt_accuracy
