@@ -8,9 +8,10 @@ How it reads a video (an image is a video of one frame):
   whose object is smaller than :data:`MIN_AREA` or larger than :data:`MAX_AREA` of the frame has
   none (noise, an empty frame or a washed-out one);
 - **colour**: the mean of the object's interior pixels, matched to the nearest fill colour;
-- **shape**: how much of its bounding box the object fills (square ≈ 1, circle ≈ π/4,
-  triangle ≈ 1/2), with each pixel counted for the share of it the object covers, the median over
-  frames where the object does not touch the border;
+- **shape**: how much of its bounding box the object fills (square and bar ≈ 1, triangle ≈ 1/2)
+  and the box's width over its height (square and triangle ≈ 1, bar ≈ 2), with each pixel counted
+  for the share of it the object covers, the medians over frames where the object does not touch the
+  border;
 - **motion**: a straight line fitted to the object's centroid over the frames; the larger component
   of its velocity gives the direction, and the distance it travels over the video (a share of the
   frame) is compared with the geometric mean of the two of :data:`~.task.SPEEDS`;
@@ -38,8 +39,12 @@ FOREGROUND_DISTANCE = 0.25
 MATCH_DISTANCE = 0.35
 #: The object's share of the frame must lie in [MIN_AREA, MAX_AREA].
 MIN_AREA, MAX_AREA = 0.01, 0.35
-#: Fill ratio of the bounding box: above SQUARE_FILL a square, above CIRCLE_FILL a circle, else a triangle.
-SQUARE_FILL, CIRCLE_FILL = 0.9, 0.68
+#: Below this fill of its bounding box the object is a triangle (1/2); a square or bar fills ≈ 1,
+#: a blurred one with rounded corners ≈ 0.8.
+TRIANGLE_FILL = 0.7
+#: Width over height: at least BAR_ASPECT is a bar (2), within [1/BAR_ASPECT, BAR_ASPECT] a square or
+#: triangle (1); a tall object is no shape of the vocabulary.
+BAR_ASPECT = math.sqrt(2.0)
 #: Travelling less than this share of the frame over the video is no motion at all.
 STILL_SPEED = 0.05
 #: Frames in which the object was found: at least this share of the video, or nothing is read.
@@ -96,6 +101,7 @@ class _Object:
     core: np.ndarray  # (H, W) bool: the object's interior pixels (its colour)
     centroid: tuple[float, float]  # (x, y) in pixels, pixel centres at +0.5
     fill: float
+    aspect: float  # width over height of the coverage's extents
     touches_border: bool
 
 
@@ -118,18 +124,20 @@ def _object(frame: np.ndarray, background: np.ndarray) -> _Object | None:
     window = np.zeros_like(mask)  # the mask's bounding box grown by one pixel: the edge pixels
     window[max(top - 1, 0) : bottom + 2, max(left - 1, 0) : right + 2] = True
     coverage = np.where(window, coverage, 0.0)
-    extent = coverage.max(axis=0).sum() * coverage.max(axis=1).sum()
+    extent_x, extent_y = float(coverage.max(axis=0).sum()), float(coverage.max(axis=1).sum())
     ys, xs = np.mgrid[0:height, 0:width]
     total = float(coverage.sum())
     centroid = (float((coverage * xs).sum() / total) + 0.5, float((coverage * ys).sum() / total) + 0.5)
     touches = top == 0 or left == 0 or bottom == height - 1 or right == width - 1
-    return _Object(core, centroid, total / float(extent), bool(touches))
+    return _Object(core, centroid, total / (extent_x * extent_y), extent_x / extent_y, bool(touches))
 
 
-def _shape(fill: float) -> str:
-    if fill >= SQUARE_FILL:
-        return "square"
-    return "circle" if fill >= CIRCLE_FILL else "triangle"
+def _shape(fill: float, aspect: float) -> str | None:
+    if aspect >= BAR_ASPECT:
+        return "bar" if fill >= TRIANGLE_FILL else None
+    if aspect <= 1.0 / BAR_ASPECT:
+        return None
+    return "square" if fill >= TRIANGLE_FILL else "triangle"
 
 
 def read(pixels: np.ndarray) -> Reading:
@@ -145,8 +153,8 @@ def read(pixels: np.ndarray) -> Reading:
         return Reading(background=background)
     pixels_in = np.concatenate([frames[t][o.core] for t, o in found])
     colour = _nearest(pixels_in.mean(axis=0), COLOURS)
-    fills = [o.fill for _, o in found if not o.touches_border] or [o.fill for _, o in found]
-    shape = _shape(float(np.median(fills)))
+    inside = [o for _, o in found if not o.touches_border] or [o for _, o in found]
+    shape = _shape(float(np.median([o.fill for o in inside])), float(np.median([o.aspect for o in inside])))
     if count == 1:
         cx, cy = found[0][1].centroid
         position = min(

@@ -3,7 +3,7 @@ and images that match them, drawn from seeds (nothing is downloaded or stored).
 
 A video prompt names a colour, a shape, a motion (direction and speed) and a background::
 
-    a red circle moving left slowly on a black background
+    a red bar moving left slowly on a black background
 
 and its video shows that shape, filled with that colour, crossing the frames in that direction at
 that speed. An image prompt names a colour, a shape, a position and a background::
@@ -26,6 +26,7 @@ with 4 × 4 supersampling, so edges are anti-aliased as a trained model's output
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,11 +38,14 @@ COLOURS: dict[str, tuple[float, float, float]] = {
     "blue": (0.15, 0.30, 0.95),
     "yellow": (0.95, 0.85, 0.10),
 }
-SHAPES = ("square", "circle", "triangle")
+#: A bar is a 2:1 horizontal rectangle. The shapes differ in what survives a soft, blurred drawing
+#: (aspect ratio, how much of the bounding box is filled), not in corners: a first vocabulary had a
+#: circle, and the tiny models drew rounded squares for circles and squares alike.
+SHAPES = ("square", "bar", "triangle")
 DIRECTIONS = ("left", "right", "up", "down")
 #: Speed words and how far the shape travels over the whole video, as a share of the frame's extent
 #: along its direction (width for left/right, height for up/down), whatever the frame count.
-SPEEDS: dict[str, float] = {"slowly": 0.15, "quickly": 0.45}
+SPEEDS: dict[str, float] = {"slowly": 0.15, "quickly": 0.35}
 BACKGROUNDS: dict[str, tuple[float, float, float]] = {"black": (0.05, 0.05, 0.05), "gray": (0.50, 0.50, 0.50)}
 #: Image positions and their centres as fractions of (width, height).
 POSITIONS: dict[str, tuple[float, float]] = {
@@ -52,11 +56,14 @@ POSITIONS: dict[str, tuple[float, float]] = {
     "center": (0.50, 0.50),
 }
 #: Colour × shape pairs that no training example shows (every motion, position and background).
-HELD_OUT_PAIRS = frozenset({("blue", "triangle"), ("yellow", "circle")})
+HELD_OUT_PAIRS = frozenset({("blue", "triangle"), ("yellow", "bar")})
 #: The shape's half-extent, as a fraction of the shorter frame side, is drawn from this range.
-SIZE_RANGE = (0.15, 0.2)
+SIZE_RANGE = (0.22, 0.27)
 #: A video path's midpoint lies within this share of the frame's width (height) of the frame's centre.
 PATH_JITTER = 0.06
+#: The smallest frame side (pixels) every video prompt fits: the largest shape (plus the one-pixel
+#: margin on each side) travelling the fastest speed's share of the side.
+MIN_SIDE = math.ceil(2.0 / (1.0 - 2.0 * SIZE_RANGE[1] - max(SPEEDS.values())))
 #: Training renders draw their seeds below this; evaluation uses seeds from it up, never seen.
 TRAINING_SEEDS = 1_000_000
 _DIRECTION_VECTORS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "up": (0.0, -1.0), "down": (0.0, 1.0)}
@@ -176,7 +183,8 @@ def shape_coverage(shape: str, cx: float, cy: float, radius: float, height: int,
     """``(height, width)`` float32 in [0, 1]: how much of each pixel the shape covers.
 
     Pixel ``(i, j)`` spans ``[j, j + 1) × [i, i + 1)``; the shape is centred on ``(cx, cy)`` with
-    half-extent ``radius`` (the triangle points up, its base at the bottom).
+    half-extent ``radius`` (the bar's half-height is ``radius / 2``; the triangle points up, its
+    base at the bottom).
     """
     _check("shape", shape, SHAPES)
     offsets = (np.arange(_SUPERSAMPLE, dtype=np.float64) + 0.5) / _SUPERSAMPLE
@@ -185,8 +193,8 @@ def shape_coverage(shape: str, cx: float, cy: float, radius: float, height: int,
     dy, dx = np.meshgrid(ys, xs, indexing="ij")
     if shape == "square":
         inside = (np.abs(dx) <= radius) & (np.abs(dy) <= radius)
-    elif shape == "circle":
-        inside = dx * dx + dy * dy <= radius * radius
+    elif shape == "bar":
+        inside = (np.abs(dx) <= radius) & (np.abs(dy) <= radius / 2.0)
     else:
         inside = (np.abs(dy) <= radius) & (np.abs(dx) <= (dy + radius) / 2.0)
     return inside.reshape(height, _SUPERSAMPLE, width, _SUPERSAMPLE).mean(axis=(1, 3)).astype(np.float32)
@@ -221,7 +229,7 @@ def video_placement(prompt: VideoPrompt, seed: int, frames: int, height: int, wi
     if hi_x < lo_x or hi_y < lo_y:
         raise ValueError(
             f"a {height}x{width} frame is too small for {prompt.text!r}: the shape (radius {radius:.1f} px) "
-            f"cannot travel {travel:.1f} px inside it; use frames of at least 16x16 pixels"
+            f"cannot travel {travel:.1f} px inside it; use frames of at least {MIN_SIDE}x{MIN_SIDE} pixels"
         )
     mid_x = width * (0.5 + rng.uniform(-PATH_JITTER, PATH_JITTER))
     mid_y = height * (0.5 + rng.uniform(-PATH_JITTER, PATH_JITTER))
