@@ -3,6 +3,7 @@ and the compact cross-attention that must compute what the full 512-row attentio
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -22,11 +23,11 @@ def text_parts():
 
 def test_tokenizer_knows_every_task_word_and_ends_with_eos(text_parts):
     tokenizer, _ = text_parts
-    prompt = task.VideoPrompt("red", "circle", "left", "slowly", "black")
+    prompt = task.VideoPrompt("red", "bar", "left", "slowly", "black")
     ids = tokenizer(prompt.text).input_ids
     assert len(ids) == len(prompt.text.split()) + 1 and ids[-1] == tokenizer.eos_token_id
     assert tokenizer.unk_token_id not in ids
-    assert tokenizer("a purple circle").input_ids[1] == tokenizer.unk_token_id
+    assert tokenizer("a purple bar").input_ids[1] == tokenizer.unk_token_id
     image = task.ImagePrompt("blue", "square", "top left", "gray")
     assert tokenizer.unk_token_id not in tokenizer(image.text).input_ids
 
@@ -122,61 +123,162 @@ def test_shifted_noise_levels_are_the_ones_the_pipelines_sampler_visits():
     assert training.shifted_sigma(unshifted, 1.0).equal(unshifted)
 
 
-def _tiny_vae():
+def _tiny_vae(**overrides):
+    """The trained VAE's layout at toy size: a 2x2 patch, no downsampling stage, no temporal compression."""
     from diffusers import AutoencoderKLWan
 
     torch.manual_seed(0)
-    return AutoencoderKLWan(
-        base_dim=4,
-        z_dim=4,
-        dim_mult=[1, 2, 2],
-        num_res_blocks=1,
-        temperal_downsample=[False, True],
-        scale_factor_spatial=4,
-        scale_factor_temporal=2,
-    )
+    config = {
+        "base_dim": 4,
+        "z_dim": 4,
+        "dim_mult": [1],
+        "num_res_blocks": 1,
+        "temperal_downsample": [],
+        "patch_size": 2,
+        "in_channels": 12,
+        "out_channels": 12,
+        "scale_factor_spatial": 2,
+        "scale_factor_temporal": 1,
+    }
+    return AutoencoderKLWan(**{**config, **overrides})
 
 
-def test_vae_training_is_deterministic_and_learns():
-    config = training.VaeTraining(steps=4, batch=2, frames=5, height=16, width=16, warmup=1, lr=5e-3)
-    first, second = _tiny_vae(), _tiny_vae()
-    losses = training.train_vae(first, config, progress=False)
-    assert losses == training.train_vae(second, config, progress=False)
+VAE_TRAINING = training.VaeTraining(steps=10, batch=2, frames=5, height=24, width=24, warmup=1, lr=3e-3)
+
+
+@pytest.fixture(scope="module")
+def trained_vae():
+    vae = _tiny_vae()
+    return vae, training.train_vae(vae, VAE_TRAINING, progress=False)
+
+
+def test_vae_training_is_deterministic_and_learns(trained_vae):
+    first, losses = trained_vae
+    second = _tiny_vae()
+    assert losses == training.train_vae(second, VAE_TRAINING, progress=False)
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
-    assert losses[-1] < losses[0]
-    other = training.train_vae(
-        _tiny_vae(), training.VaeTraining(**{**config.__dict__, "seed": 1}), progress=False
-    )
+    assert sum(losses[-3:]) < sum(losses[:3])
+    other = training.train_vae(_tiny_vae(), dataclasses.replace(VAE_TRAINING, seed=1), progress=False)
     assert other != losses
 
 
-def test_expert_training_is_deterministic_and_keeps_the_pipelines_attention(text_parts):
-    from diffusers import WanTransformer3DModel
-    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+def test_the_trained_decoder_decodes_each_frame_from_its_own_latent(trained_vae):
+    """The pipeline decodes frame by frame through a causal cache; a per-frame decoder gives each frame
+    from its own latent alone, the same as one call over all frames (how training decodes)."""
+    vae, _ = trained_vae
+    latents = torch.randn(2, 4, 5, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        piecewise = vae.decode(latents).sample
+        at_once = training._decode_frames(vae, vae.decoder, latents).clamp(-1, 1)
+        changed = latents.clone()
+        changed[:, :, 0] += 1.0
+        after_change = vae.decode(changed).sample
+    torch.testing.assert_close(at_once, piecewise, rtol=1e-4, atol=1e-5)
+    assert torch.equal(after_change[:, :, 1:], piecewise[:, :, 1:])
+    assert not torch.equal(after_change[:, :, 0], piecewise[:, :, 0])
+    # the encoder stays causal: its latents of a frame see the frames before it
+    videos = torch.rand(1, 3, 5, 24, 24) * 2 - 1
+    moved = videos.clone()
+    moved[:, :, 0] = -moved[:, :, 0]
+    with torch.no_grad():
+        assert not torch.equal(
+            training.encode_frames(vae, videos)[:, :, 1], training.encode_frames(vae, moved)[:, :, 1]
+        )
 
+
+def test_a_vae_that_compresses_time_is_refused():
+    vae = _tiny_vae(
+        dim_mult=[1, 2], temperal_downsample=[True], scale_factor_spatial=4, scale_factor_temporal=2
+    )
+    with pytest.raises(ValueError, match=r"the VAE compresses time \(scale_factor_temporal 2"):
+        training.train_vae(vae, VAE_TRAINING, progress=False)
+
+
+def test_every_frame_is_encoded_whatever_the_count(trained_vae):
+    """AutoencoderKLWan drops frames past the last 4k + 1; encode_frames keeps them, and its first
+    frames' latents are the causal encoder's latents of those frames alone."""
+    vae, _ = trained_vae
+    videos = torch.rand(2, 3, 6, 24, 24, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    with torch.no_grad():
+        six = training.encode_frames(vae, videos)
+        five = vae.encode(videos[:, :, :5]).latent_dist.mean
+        dropped = vae.encode(videos).latent_dist.mean
+    assert six.shape[2] == 6 and dropped.shape[2] == 5
+    torch.testing.assert_close(six[:, :, :5], five, rtol=1e-5, atol=1e-6)
+
+
+def _expert(**overrides):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(1)
+    config = {
+        "patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 4,
+        "out_channels": 4, "text_dim": TEXT_ENCODER["d_model"], "freq_dim": 32, "ffn_dim": 32, "num_layers": 1,
+        "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32,
+    }  # fmt: skip
+    return WanTransformer3DModel(**{**config, **overrides})
+
+
+def test_init_starts_every_block_as_identity_and_the_output_at_zero(text_parts):
     tokenizer, encoder = text_parts
-    vae = _tiny_vae().eval()
-    bank = training.latent_bank(vae, 6, seed=0, frames=5, height=16, width=16)
-    assert bank.latents.shape == (6, 4, 3, 4, 4) and bank.prompts.shape == (6,)
-    torch.testing.assert_close(bank.latents.mean(dim=(0, 2, 3, 4)), torch.zeros(4), atol=1e-5, rtol=0)
+    transformer = _expert(num_layers=2)
+    training.init_transformer(transformer)
+    text = training.prompt_embeddings(tokenizer, encoder, [task.video_prompts()[0].text])
+    latents = torch.randn(1, 4, 2, 8, 8)
+    seen = []
+    handle = transformer.blocks[0].register_forward_hook(lambda m, i, o: seen.append((i[0], o)))
+    with torch.no_grad():
+        out = transformer(
+            hidden_states=latents, timestep=torch.tensor([500.0]), encoder_hidden_states=text
+        ).sample
+    handle.remove()
+    assert float(out.abs().max()) == 0.0
+    block_in, block_out = seen[0]
+    assert torch.equal(block_in, block_out)
+
+
+@pytest.fixture(scope="module")
+def bank_and_text(text_parts, trained_vae):
+    tokenizer, encoder = text_parts
+    vae, _ = trained_vae
+    bank = training.latent_bank(vae, 6, seed=0, frames=6, height=24, width=24)
     texts = [p.text for p in task.video_prompts(held_out=False)] + [""]
     text, bias = training.compact_text(training.prompt_embeddings(tokenizer, encoder, texts), 12)
+    return bank, text, bias
 
-    def expert():
-        torch.manual_seed(1)
-        return WanTransformer3DModel(
-            patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-            text_dim=TEXT_ENCODER["d_model"], freq_dim=32, ffn_dim=32, num_layers=1, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-        )  # fmt: skip
 
+def test_the_latent_bank_holds_every_frame_normalized(bank_and_text):
+    bank, _, _ = bank_and_text
+    assert bank.latents.shape == (6, 4, 6, 12, 12) and bank.prompts.shape == (6,)
+    torch.testing.assert_close(bank.latents.mean(dim=(0, 2, 3, 4)), torch.zeros(4), atol=1e-5, rtol=0)
+
+
+def test_expert_training_is_deterministic_and_keeps_the_pipelines_attention(bank_and_text):
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    bank, text, bias = bank_and_text
     config = training.ExpertTraining(
         steps=3, sigma_low=0.875, sigma_high=1.0, batch=2, warmup=1, drop_prompt=0.5
     )
-    first, second = expert(), expert()
+    first, second = _expert(), _expert()
     losses = training.train_expert(first, bank, text, bias, config, progress=False)
     assert losses == training.train_expert(second, bank, text, bias, config, progress=False)
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
     assert all(isinstance(block.attn2.processor, WanAttnProcessor) for block in first.blocks)
     with pytest.raises(ValueError, match=r"text has 3 rows; expected one per training prompt \(160\)"):
-        training.train_expert(expert(), bank, text[:3], bias[:3], config, progress=False)
+        training.train_expert(_expert(), bank, text[:3], bias[:3], config, progress=False)
+
+
+def test_the_moving_average_is_what_an_expert_ends_with(bank_and_text):
+    """With ema the transformer ends on the average of its weights over the steps: the same run's
+    losses, other weights than the last step's, and the average of those with the start."""
+    bank, text, bias = bank_and_text
+    plain = training.ExpertTraining(steps=4, sigma_low=0.0, sigma_high=1.0, batch=2, warmup=1, lr=1e-2)
+    averaged = dataclasses.replace(plain, ema=0.5)
+    start, last, smooth = _expert(), _expert(), _expert()
+    assert training.train_expert(last, bank, text, bias, plain, progress=False) == training.train_expert(
+        smooth, bank, text, bias, averaged, progress=False
+    )
+    for a, b, c in zip(start.parameters(), last.parameters(), smooth.parameters()):
+        if not torch.equal(a, b):  # a trained weight: the average is neither the start nor the end
+            assert not torch.equal(c, b) and not torch.equal(c, a)

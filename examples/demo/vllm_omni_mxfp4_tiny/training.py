@@ -197,13 +197,15 @@ def cosine_learning_rate(step: int, steps: int, peak: float, warmup: int, floor:
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _optimizer_step(optimizer: torch.optim.Optimizer, module: Any, loss: torch.Tensor, lr: float) -> float:
+def _optimizer_step(
+    optimizer: torch.optim.Optimizer, parameters: Any, loss: torch.Tensor, lr: float
+) -> float:
     """One step of both loops at learning rate ``lr``: gradients clipped to norm 1; returns the loss."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
     optimizer.step()
     return float(loss.detach())
 
@@ -230,13 +232,38 @@ def video_batch(
     return torch.from_numpy(videos).permute(0, 4, 1, 2, 3) * 2 - 1, which
 
 
+def keep_current_frame_taps(module: Any) -> int:
+    """Make every causal convolution of ``module`` see only the current frame: its taps on past frames
+    are zeroed and a gradient mask keeps them zero while training. Returns how many were changed.
+
+    Applied to the VAE's decoder (:func:`train_vae`): each frame is then decoded from its own latent
+    alone, so the first frame, which a causal decoder would decode with no history, decodes as every
+    other frame does, and a latent the transformer got slightly wrong spoils only its own frame."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    changed = 0
+    for conv in module.modules():
+        if isinstance(conv, WanCausalConv3d) and conv.kernel_size[0] > 1:
+            mask = torch.zeros_like(conv.weight)
+            mask[:, :, -1] = 1
+            with torch.no_grad():
+                conv.weight.mul_(mask)
+            conv.weight.register_hook(lambda grad, mask=mask: grad * mask)
+            changed += 1
+    return changed
+
+
 @dataclass(frozen=True)
 class VaeTraining:
     """How the VAE is trained: as an autoencoder on renders of the training prompts.
 
-    The loss is the mean absolute (``l1``) or squared error per pixel, with the pixels that differ
-    from the first frame's corner (the shape, not the background) weighted ``shape_weight`` times,
-    plus ``latent_l2`` times the mean square of the latents, which keeps them near unit scale."""
+    The loss is the mean squared error per pixel, with the pixels that differ from the first frame's
+    corner (the shape, not the background) weighted ``shape_weight`` times, plus ``latent_l2`` times
+    the mean square of the latents (keeps them near unit scale), plus ``previous_frame`` times the
+    same error of a second decoder that reads each frame's *previous* frame from its latent (training
+    only; it is not saved). The encoder is causal, so each latent can carry where the shape was a
+    frame earlier: with that head it must, and motion becomes something each latent frame shows
+    rather than a relation the transformer has to find between frames."""
 
     steps: int
     batch: int = 8
@@ -244,30 +271,49 @@ class VaeTraining:
     warmup: int = 20
     shape_weight: float = 10.0
     latent_l2: float = 1e-4
-    l1: bool = False
-    frames: int = 9
+    previous_frame: float = 0.5
+    frames: int = 5
     height: int = 32
     width: int = 32
     seed: int = 0
 
 
-def vae_loss(vae: Any, videos: torch.Tensor, config: VaeTraining) -> torch.Tensor:
-    """One batch's autoencoder loss (:class:`VaeTraining`)."""
-    latents = vae.encode(videos).latent_dist.mean
-    decoded = vae.decode(latents).sample
-    error = (decoded - videos).abs() if config.l1 else (decoded - videos) ** 2
+def _decode_frames(vae: Any, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Every frame of ``latents`` through ``decoder`` (one of the VAE's, per-frame) in one call: what
+    ``vae.decode`` computes frame by frame, without its clamp."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+    out = decoder(vae.post_quant_conv(latents))
+    patch = vae.config.patch_size
+    return unpatchify(out, patch_size=patch) if patch else out
+
+
+def _weighted_error(decoded: torch.Tensor, videos: torch.Tensor, shape_weight: float) -> torch.Tensor:
     shape = ((videos - videos[:, :, :1, :1, :1]).abs().sum(dim=1, keepdim=True) > 0.1).float()
-    return (error * (1 + (config.shape_weight - 1) * shape)).mean() + config.latent_l2 * (latents**2).mean()
+    return (((decoded - videos) ** 2) * (1 + (shape_weight - 1) * shape)).mean()
 
 
 def train_vae(vae: Any, config: VaeTraining, *, progress: bool = True) -> list[float]:
-    """Train ``vae`` (a diffusers ``AutoencoderKLWan``) in place; returns each step's loss.
+    """Train ``vae`` (a diffusers ``AutoencoderKLWan`` with no temporal compression) in place, its
+    decoder per-frame (:func:`keep_current_frame_taps`); returns each step's loss (:class:`VaeTraining`).
 
     Deterministic in ``config.seed``: the same config gives the same losses and weights."""
+    import copy
+
+    if vae.config.scale_factor_temporal != 1 or any(vae.config.temperal_downsample):
+        raise ValueError(
+            "train_vae: the VAE compresses time (scale_factor_temporal "
+            f"{vae.config.scale_factor_temporal}, temperal_downsample {vae.config.temperal_downsample}); "
+            "the task's VAE keeps one latent frame per frame"
+        )
     torch.manual_seed(config.seed)
+    keep_current_frame_taps(vae.decoder)
+    previous = copy.deepcopy(vae.decoder)  # the training-only head: the frame before, from each latent
+    keep_current_frame_taps(previous)
+    parameters = [*vae.parameters(), *previous.parameters()]
     rng = np.random.default_rng([config.seed, 10])
     prompts = video_prompts(held_out=False)
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=config.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=0.0)
     vae.train()
     losses: list[float] = []
     bar = tqdm(range(config.steps), desc="vae", disable=not progress)
@@ -275,8 +321,13 @@ def train_vae(vae: Any, config: VaeTraining, *, progress: bool = True) -> list[f
         videos, _ = video_batch(
             rng, prompts, config.batch, frames=config.frames, height=config.height, width=config.width
         )
+        latents = vae.encode(videos).latent_dist.mean
+        loss = _weighted_error(_decode_frames(vae, vae.decoder, latents), videos, config.shape_weight)
+        before = _decode_frames(vae, previous, latents)[:, :, 1:]
+        loss = loss + config.previous_frame * _weighted_error(before, videos[:, :, :-1], config.shape_weight)
+        loss = loss + config.latent_l2 * (latents**2).mean()
         lr = cosine_learning_rate(step, config.steps, config.lr, config.warmup)
-        losses.append(_optimizer_step(optimizer, vae, vae_loss(vae, videos, config), lr))
+        losses.append(_optimizer_step(optimizer, parameters, loss, lr))
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
     vae.eval()
     return losses
@@ -293,9 +344,22 @@ class LatentBank:
     std: torch.Tensor
 
 
+def encode_frames(vae: Any, videos: torch.Tensor) -> torch.Tensor:
+    """The encoder mean of ``videos`` ``(B, 3, F, H, W)``, one latent frame per frame, for any F.
+
+    ``AutoencoderKLWan`` encodes the first frame, then chunks of four, and drops frames that do not
+    fill a chunk; the videos are padded with copies of their last frame to 4k + 1 frames and the
+    first F latent frames kept, which the causal encoder computes from the first F frames alone."""
+    frames = videos.shape[2]
+    padded = 4 * ((frames + 2) // 4) + 1
+    if padded > frames:
+        videos = torch.cat([videos, videos[:, :, -1:].expand(-1, -1, padded - frames, -1, -1)], dim=2)
+    return vae.encode(videos).latent_dist.mean[:, :, :frames]
+
+
 @torch.no_grad()
 def latent_bank(
-    vae: Any, count: int, *, seed: int, frames: int = 9, height: int = 32, width: int = 32, chunk: int = 64
+    vae: Any, count: int, *, seed: int, frames: int, height: int = 32, width: int = 32, chunk: int = 64
 ) -> LatentBank:
     """``count`` renders of training prompts (seeds from ``seed``) through ``vae``'s encoder mean."""
     rng = np.random.default_rng([seed, 11])
@@ -305,7 +369,7 @@ def latent_bank(
         videos, which = video_batch(
             rng, prompts, min(chunk, count - start), frames=frames, height=height, width=width
         )
-        latents.append(vae.encode(videos).latent_dist.mean)
+        latents.append(encode_frames(vae, videos))
         indices.append(torch.from_numpy(which))
     z = torch.cat(latents)
     mean, std = z.mean(dim=(0, 2, 3, 4)), z.std(dim=(0, 2, 3, 4))
@@ -329,7 +393,30 @@ class ExpertTraining:
     weight_decay: float = 0.01
     drop_prompt: float = 0.1
     shift: float = 1.0
+    ema: float = 0.0
     seed: int = 0
+
+
+def init_transformer(transformer: Any) -> None:
+    """Start a ``WanTransformer3DModel`` as DiT's adaLN-Zero does: every block an identity and the
+    output zero (the gates, the time-conditioned modulation, the cross-attention's output projection
+    and ``proj_out`` zero; other Linears Xavier-uniform with zero bias). The modulation then grows
+    from the time embedding as training needs it; from diffusers' default initialization the same
+    expert learned colour, shape and motion several hundred steps later."""
+    from torch import nn
+
+    for module in transformer.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            nn.init.zeros_(module.bias)
+    zero = [transformer.condition_embedder.time_proj, transformer.proj_out]
+    zero += [block.attn2.to_out[0] for block in transformer.blocks]
+    with torch.no_grad():
+        for module in zero:
+            module.weight.zero_()
+            module.bias.zero_()
+        for table in [transformer.scale_shift_table, *(b.scale_shift_table for b in transformer.blocks)]:
+            table.zero_()
 
 
 def train_expert(
@@ -340,8 +427,13 @@ def train_expert(
     config: ExpertTraining,
     *,
     progress: bool = True,
+    name: str = "expert",
 ) -> list[float]:
     """Train ``transformer`` (a diffusers ``WanTransformer3DModel``) in place; returns each step's loss.
+
+    With ``config.ema`` the transformer ends with the exponential moving average of its weights over
+    the steps (decay ``ema``, ramped up over the first steps), which samples better than the last
+    step's weights after a short run.
 
     ``text``/``bias``: :func:`compact_text` of the prompt embeddings of the training prompts in
     ``video_prompts(held_out=False)`` order, then the empty prompt as the last row."""
@@ -355,9 +447,10 @@ def train_expert(
     generator = torch.Generator().manual_seed(config.seed)
     u_low, u_high = (unshifted_time(s, config.shift) for s in (config.sigma_low, config.sigma_high))
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    average = [p.detach().clone() for p in transformer.parameters()] if config.ema else None
     transformer.train()
     losses: list[float] = []
-    bar = tqdm(range(config.steps), desc="expert", disable=not progress)
+    bar = tqdm(range(config.steps), desc=name, disable=not progress)
     for step in bar:
         pick = torch.randint(bank.latents.shape[0], (config.batch,), generator=generator)
         rows = bank.prompts[pick]
@@ -371,8 +464,17 @@ def train_expert(
         processor.bias = bias[rows]
         lr = cosine_learning_rate(step, config.steps, config.lr, config.warmup)
         loss = flow_matching_loss(transformer, x0, sigma, noise, text[rows])
-        losses.append(_optimizer_step(optimizer, transformer, loss, lr))
+        losses.append(_optimizer_step(optimizer, list(transformer.parameters()), loss, lr))
+        if average is not None:
+            decay = min(config.ema, (1 + step) / (10 + step))
+            with torch.no_grad():
+                for kept, parameter in zip(average, transformer.parameters()):
+                    kept.lerp_(parameter, 1 - decay)
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    if average is not None:
+        with torch.no_grad():
+            for kept, parameter in zip(average, transformer.parameters()):
+                parameter.copy_(kept)
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
     for block in transformer.blocks:  # the full-text attention the pipeline runs
