@@ -51,7 +51,8 @@ def test_summary_takes_medians_per_linear_kind():
 
     summary = linear_stats.summarize(
         [stats("transformer.blocks.0.attn1.to_q", 1.0), stats("transformer.blocks.1.attn1.to_q", 3.0)]
-        + [stats("transformer_2.blocks.0.ffn.net.2", 10.0)]
+        + [stats("transformer_2.blocks.0.ffn.net.2", 10.0), stats("transformer_2.proj_out", 7.0)]
     )
-    assert set(summary) == {"all", "attn1.to_q", "ffn.net.2"}
-    assert summary["attn1.to_q"]["output_sqnr_db"] == 2.0 and summary["all"]["weight_kurtosis"] == 3.0
+    assert set(summary) == {"blocks", "attn1.to_q", "ffn.net.2", "proj_out"}
+    assert summary["attn1.to_q"]["output_sqnr_db"] == 2.0 and summary["blocks"]["weight_kurtosis"] == 3.0
+    assert summary["proj_out"]["weight_kurtosis"] == 7.0

@@ -1,7 +1,8 @@
 """Per-Linear statistics that decide how well MXFP4 works, for a diffusers Wan2.2 pipeline: what
 trained weights change against random ones (docs/quality.md).
 
-For every Linear in the transformers' blocks, :func:`linear_stats` measures
+For every Linear of the transformers (the blocks', which vLLM-Omni quantizes, and the embedders' and
+``proj_out``, which it keeps in BF16), :func:`linear_stats` measures
 
 - the weight's and the captured input activation's kurtosis (Pearson, 3 for a Gaussian: heavy tails
   are what 4-bit elements with one shared scale per 32 values lose most on);
@@ -17,8 +18,8 @@ step, both classifier-free-guidance branches), a subsample of rows per call.
 
     python -m vllm_omni_mxfp4_tiny.linear_stats [--model DIR] [--json OUT]
 
-compares the shipped trained pipeline with the same pipeline whose experts are re-initialized from
-the seeds training started from.
+compares the shipped trained pipeline with the same pipeline whose experts are drawn from diffusers'
+default initialization (what the random-weight tiny builders use).
 """
 
 from __future__ import annotations
@@ -106,9 +107,9 @@ def _measure(name: str, weight: Any, acts: Any) -> LinearStats:
 
 
 def linear_stats(
-    pipeline: Any, prompts: Sequence[str], *, seed: int, steps: int, guidance: float
+    pipeline: Any, prompts: Sequence[str], *, seed: int, steps: int, guidance: float, guidance_2: float
 ) -> list[LinearStats]:
-    """Statistics of every block Linear of ``pipeline``'s transformers (a diffusers ``WanPipeline``
+    """Statistics of every Linear of ``pipeline``'s transformers (a diffusers ``WanPipeline``
     computing in FP32), from activations captured while it generates ``prompts``."""
     import torch
 
@@ -120,9 +121,9 @@ def linear_stats(
         module = getattr(pipeline, component, None)
         if module is None:
             continue
-        for name, layer in module.blocks.named_modules():
+        for name, layer in module.named_modules():
             if isinstance(layer, torch.nn.Linear):
-                key = f"{component}.blocks.{name}"
+                key = f"{component}.{name}"
                 linears[key], captured[key] = layer, []
 
                 def hook(layer: Any, inputs: tuple[Any, ...], key: str = key) -> None:
@@ -132,7 +133,7 @@ def linear_stats(
 
                 handles.append(layer.register_forward_pre_hook(hook))
     try:
-        generate(pipeline, prompts, seed, steps, guidance)
+        generate(pipeline, prompts, seed, steps, guidance, guidance_2)
     finally:
         for handle in handles:
             handle.remove()
@@ -140,13 +141,15 @@ def linear_stats(
 
 
 def _kind(name: str) -> str:
-    """``transformer.blocks.3.attn1.to_q`` -> ``attn1.to_q``."""
-    return ".".join(name.split(".")[3:])
+    """``transformer.blocks.3.attn1.to_q`` -> ``attn1.to_q``; ``transformer_2.proj_out`` -> ``proj_out``."""
+    parts = name.split(".")
+    return ".".join(parts[3:] if parts[1] == "blocks" else parts[1:])
 
 
 def summarize(stats: Sequence[LinearStats]) -> dict[str, dict[str, float]]:
-    """Medians per Linear kind (``attn1.to_q``, ``ffn.net.2``, ...) over blocks and experts, plus ``all``."""
-    groups: dict[str, list[LinearStats]] = {"all": list(stats)}
+    """Medians per Linear kind (``attn1.to_q``, ``ffn.net.2``, ``proj_out``, ...) over blocks and
+    experts, plus ``blocks`` (every block Linear: what vLLM-Omni quantizes)."""
+    groups: dict[str, list[LinearStats]] = {"blocks": [s for s in stats if s.name.split(".")[1] == "blocks"]}
     for s in stats:
         groups.setdefault(_kind(s.name), []).append(s)
     fields = [f for f in LinearStats.__dataclass_fields__ if f not in ("name", "n", "k")]
@@ -157,7 +160,8 @@ def summarize(stats: Sequence[LinearStats]) -> dict[str, dict[str, float]]:
 
 
 def _random_experts(pipeline: Any) -> Any:
-    """The same pipeline with both experts re-initialized from the seeds training started from."""
+    """The same pipeline with both experts drawn from diffusers' default initialization (what the
+    random-weight tiny builders use; training itself starts from adaLN-Zero, whose output is zero)."""
     import copy
 
     from diffusers import WanTransformer3DModel
@@ -165,8 +169,8 @@ def _random_experts(pipeline: Any) -> Any:
     from .trained_wan import TRANSFORMER_CONFIG, WanRecipe, _seeded
 
     other = copy.copy(pipeline)
-    seeds = WanRecipe(vae=None, high=None, low=None).transformer_seeds
-    experts = [_seeded(s, lambda: WanTransformer3DModel(**TRANSFORMER_CONFIG)) for s in seeds]
+    seed = WanRecipe.transformer_seed
+    experts = [_seeded(seed + i, lambda: WanTransformer3DModel(**TRANSFORMER_CONFIG)) for i in range(2)]
     other.register_modules(transformer=experts[0], transformer_2=experts[1])
     return other
 
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     from diffusers import WanPipeline
 
     from .task import TRAINING_SEEDS, sample_prompts, video_prompts
-    from .trained_wan import EVAL_GUIDANCE, EVAL_STEPS, SHIPPED
+    from .trained_wan import EVAL_GUIDANCE, EVAL_GUIDANCE_2, EVAL_STEPS, SHIPPED
 
     parser = argparse.ArgumentParser(
         prog="python -m vllm_omni_mxfp4_tiny.linear_stats", description=__doc__.split("\n\n")[0]
@@ -196,14 +200,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     pipeline = WanPipeline.from_pretrained(args.model).to(torch.float32)
     prompts = [p.text for p in sample_prompts(video_prompts(held_out=False), args.prompts, seed=7)]
-    options = {"seed": TRAINING_SEEDS + 7, "steps": EVAL_STEPS, "guidance": EVAL_GUIDANCE}
+    options = {
+        "seed": TRAINING_SEEDS + 7,
+        "steps": EVAL_STEPS,
+        "guidance": EVAL_GUIDANCE,
+        "guidance_2": EVAL_GUIDANCE_2,
+    }
     results = {
         "trained": linear_stats(pipeline, prompts, **options),
         "random": linear_stats(_random_experts(pipeline), prompts, **options),
     }
     summaries = {label: summarize(stats) for label, stats in results.items()}
-    fields = list(summaries["trained"]["all"])
-    print(f"medians over {len(results['trained'])} block Linears; trained / random")
+    fields = list(summaries["trained"]["blocks"])
+    print(f"medians over blocks and experts of {len(results['trained'])} Linears; trained / random")
     print("kind".ljust(22) + "".join(f.rjust(22) for f in fields))
     for kind in summaries["trained"]:
         cells = [f"{summaries['trained'][kind][f]:.2f} / {summaries['random'][kind][f]:.2f}" for f in fields]
