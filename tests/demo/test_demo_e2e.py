@@ -44,7 +44,17 @@ def _file_bytes(folder: Path, *, bias_bytes: int | None = None, shared_qkv_smoot
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "out"
-    argv = ["-m", "vllm_omni_mxfp4_demo", "--modes", "offline", "--steps", "1", "--out", str(out)]
+    argv = [
+        "-m",
+        "vllm_omni_mxfp4_demo",
+        "--random-weights",
+        "--modes",
+        "offline",
+        "--steps",
+        "1",
+        "--out",
+        str(out),
+    ]
     argv += ["--height", str(SIZE), "--width", str(SIZE), "--num-frames", str(FRAMES)]
     log = out.parent / "demo.log"
     run_bounded(argv, timeout=600, env=subprocess_env(), log=log)
@@ -135,3 +145,62 @@ def test_files(demo_run):
         frames = np.load(out / "runs" / mode / "frames_0.npy")  # what Omni returned
         assert frames.shape == (1, FRAMES, SIZE, SIZE, 3) and np.isfinite(frames).all()
     assert "| offline |" in (out / "results.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """The demo on the trained tiny Wan2.2 it ships, reduced to the two modes of its own making: the
+    bad configuration and the NVFP4 source (each with the prompt-accuracy set)."""
+    out = tmp_path_factory.mktemp("trained") / "out"
+    argv = ["-m", "vllm_omni_mxfp4_demo", "--modes", "naive-w4a4,nvfp4", "--out", str(out)]
+    log = out.parent / "demo.log"
+    run_bounded(argv, timeout=900, env=subprocess_env(), log=log)
+    return out, log.read_text(), json.loads((out / "results.json").read_text())
+
+
+def test_trained_model_runs_by_default_with_prompt_accuracy(trained_run):
+    from vllm_omni_mxfp4_tiny.trained_wan import EVAL_GUIDANCE, EVAL_GUIDANCE_2, SHIPPED
+
+    out, text, results = trained_run
+    assert Path(results["model"]) == SHIPPED
+    assert results["settings"]["guidance_scale"] == EVAL_GUIDANCE
+    assert results["settings"]["guidance_scale_2"] == EVAL_GUIDANCE_2
+    modes = {m["mode"]: m for m in results["modes"]}
+    assert list(modes) == ["bf16", "naive-w4a4", "nvfp4"] and not any(m.get("error") for m in modes.values())
+    for m in modes.values():
+        assert m["accuracy"]["seen"]["videos"] == 8 and m["accuracy"]["held_out"]["videos"] == 4
+    assert "accuracy seen" in text and "accuracy held-out" in text
+
+
+def test_bad_configuration_quantizes_the_plain_linears_too(trained_run):
+    """naive-w4a4: the block Linears through the package's mxfp4, and W4A4 on exactly the Linears
+    vLLM-Omni builds as plain torch Linears (embedders, proj_out) of both experts."""
+    _, _, results = trained_run
+    naive = next(m for m in results["modes"] if m["mode"] == "naive-w4a4")
+    assert naive["omni_kwargs"] == {"quantization": "mxfp4"}
+    expected = {
+        "condition_embedder.time_embedder.linear_1",
+        "condition_embedder.time_embedder.linear_2",
+        "condition_embedder.time_proj",
+        "condition_embedder.text_embedder.linear_1",
+        "condition_embedder.text_embedder.linear_2",
+        "proj_out",
+    }
+    assert {name: set(layers) for name, layers in naive["naive_w4a4"].items()} == {
+        "transformer": expected,
+        "transformer_2": expected,
+    }
+    for t in naive["transformers"]:
+        methods = {e["method"] for e in t["linears"]}
+        assert methods == {"mxfp4"}, (t["name"], methods)
+    assert naive["psnr"] < math.inf
+
+
+def test_nvfp4_mode_serves_the_compressed_tensors_copy_requantized(trained_run):
+    out, _, results = trained_run
+    nvfp4 = next(m for m in results["modes"] if m["mode"] == "nvfp4")
+    config = json.loads((out / "nvfp4-compressed-tensors" / "transformer" / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    for t in nvfp4["transformers"]:
+        assert t["nvfp4"], t["name"]  # the load-time requantization's records
+        assert {e["method"] for e in t["linears"]} == {"mxfp4"}

@@ -191,7 +191,9 @@ def test_a_trained_model_takes_the_tasks_defaults_and_explicit_flags_win(tmp_pat
     from vllm_omni_mxfp4_tiny.task import VideoPrompt
 
     assert not VideoPrompt.parse(args.prompt).held_out  # a prompt the model was trained on
-    args = modes.build_parser().parse_args([])
+    args = modes.build_parser().parse_args([])  # the shipped trained model
+    assert modes.resolve_defaults(args, trained=True)["num_frames"] == modes.TRAINED_DEFAULTS["num_frames"]
+    args = modes.build_parser().parse_args(["--random-weights"])
     assert modes.resolve_defaults(args, trained=False)["height"] == modes.TINY_DEFAULTS["height"]
     assert args.guidance_scale == modes.TINY_DEFAULTS["guidance_scale"]
     args = modes.build_parser().parse_args(["--model", str(tmp_path)])
@@ -208,6 +210,19 @@ def test_a_trained_model_whose_files_changed_exits_2(tmp_path, capsys):
     assert main.main(["--model", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert f"--model {tmp_path}" in err and "model_index.json: SHA-256" in err
+
+
+def test_random_weights_and_a_model_together_exit_2(tmp_path, capsys):
+    assert main.main(["--random-weights", "--model", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "--random-weights and --model: give one" in capsys.readouterr().err
+
+
+def test_a_checkout_without_the_shipped_model_says_how_to_make_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(main, "SHIPPED", tmp_path / "wan22_t2v")
+    assert main.main(["--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "wan22_t2v") in err and "python -m vllm_omni_mxfp4_tiny.trained_wan" in err
+    assert "--random-weights" in err
 
 
 def _transformer(name: str, method: str, weight_bytes: int) -> dict:
@@ -273,9 +288,9 @@ def test_engine_job_input(tmp_path):
 
 
 def test_engine_job_evaluation_requests_are_checked_by_index():
-    good = {"model": "m", "out": "o", "evaluation": [["a red circle", 1_000_000], ["a blue square", 7]]}
+    good = {"model": "m", "out": "o", "evaluation": [["a red bar", 1_000_000], ["a blue square", 7]]}
     assert Job.from_dict(json.loads(json.dumps(good))).evaluation == [
-        ["a red circle", 1_000_000],
+        ["a red bar", 1_000_000],
         ["a blue square", 7],
     ]
     for bad in (

@@ -2,14 +2,17 @@
 
     python -m vllm_omni_mxfp4_demo [--modes bf16,mxfp4,...] [--steps N] [--out outputs/demo]
     python -m vllm_omni_mxfp4_demo --model /path/to/Wan2.2-T2V-A14B-Diffusers [--quant-path EXPORT]
+    python -m vllm_omni_mxfp4_demo --random-weights
 
-Without ``--model`` it builds the embedded tiny two-expert Wan2.2 text-to-video pipeline (random
-weights, seconds on a CPU; :mod:`vllm_omni_mxfp4_tiny`); ``--model`` a trained tiny one
-(:mod:`vllm_omni_mxfp4_tiny.trained_wan`, its files checked against the SHA-256 its manifest
-records) adds prompt accuracy. Then it:
+By default it runs the trained tiny two-expert Wan2.2 the demo distribution ships
+(:mod:`vllm_omni_mxfp4_tiny.trained_wan`; its files are checked against the SHA-256 its manifest
+records): it draws the prompted shapes, and prompt accuracy is scored. ``--model`` runs another
+pipeline (a trained tiny one is recognized by its manifest), ``--random-weights`` the tiny pipeline
+with random weights (seconds to build, noise for frames). Then it:
 
 1. quantizes it offline with msModelSlim and merges the export into a diffusers checkpoint
-   (:mod:`vllm_omni_mxfp4_demo.offline`), and merges the exports of msModelSlim's shipped recipes;
+   (:mod:`vllm_omni_mxfp4_demo.offline`), merges the exports of msModelSlim's shipped recipes, and
+   writes an NVFP4 copy that the ``nvfp4`` mode serves requantized;
 2. generates the same prompt and seed through ``vllm_omni.Omni`` once per mode
    (:data:`~vllm_omni_mxfp4_demo.modes.MODES`), each engine in a process of its own
    (:mod:`vllm_omni_mxfp4_tiny.engine_job`, run by :mod:`vllm_omni_mxfp4_tiny.runner`), and with the
@@ -23,7 +26,7 @@ records) adds prompt accuracy. Then it:
 With ``--model PATH`` the same modes run on that checkpoint on whatever platform vLLM-Omni finds
 (an accelerator, else the CPU platform); the offline mode then needs ``--quant-path`` (an existing
 msModelSlim export of that model) and is skipped without it, except for a trained tiny model, which
-the demo quantizes itself as it does the embedded one.
+the demo quantizes itself as it does the random one.
 """
 
 from __future__ import annotations
@@ -43,12 +46,12 @@ from tqdm import tqdm
 
 from vllm_omni_mxfp4_tiny.engine_job import Job, model_boundary_ratio
 from vllm_omni_mxfp4_tiny.runner import RunFailed, run_engine_job
-from vllm_omni_mxfp4_tiny.trained_wan import MANIFEST, verify_manifest
+from vllm_omni_mxfp4_tiny.trained_wan import MANIFEST, SHIPPED, verify_manifest
 
 from . import accuracy, nvfp4_quality, report
 from .media import video_frames
 from .modes import PROG, Mode, build_parser, parallel_kwargs, resolve_defaults
-from .offline import SAME_CHECKPOINT, offline_checkpoint, recipe_checkpoint
+from .offline import SAME_CHECKPOINT, nvfp4_checkpoint, offline_checkpoint, recipe_checkpoint
 
 
 class Progress:
@@ -72,6 +75,7 @@ class DemoRun:
     size: dict[str, int]  # height, width, num_frames, steps
     offline_model: Path | None = None
     recipe_models: dict[str, Path] = field(default_factory=dict)  # mode name -> merged checkpoint
+    nvfp4_model: Path | None = None
     failed_early: dict[str, str] = field(default_factory=dict)
     results: list[dict[str, Any]] = field(default_factory=list)
     frames: dict[str, np.ndarray] = field(default_factory=dict)
@@ -84,17 +88,32 @@ def _error(message: str) -> int:
 
 
 def _model(args: argparse.Namespace, progress: Progress) -> Path | int:
-    """The pipeline directory to run (the tiny one, built on first use), or exit status 2."""
-    if args.model is None:
+    """The pipeline directory to run, or exit status 2: ``--model``, else the trained tiny Wan2.2 the
+    demo distribution ships, or with ``--random-weights`` the random-weight one (built on first use)."""
+    if args.random_weights:
         from vllm_omni_mxfp4_tiny import build_tiny_wan
 
+        if args.model is not None:
+            return _error("--random-weights and --model: give one (--random-weights builds its own model)")
         if args.quant_path is not None:
-            progress.say("--quant-path ignored: without --model the demo quantizes the tiny model itself")
-        progress.say("building (or reusing) the embedded tiny two-expert Wan2.2 text-to-video pipeline")
+            progress.say("--quant-path ignored: the demo quantizes the tiny model itself")
+        progress.say(
+            "building (or reusing) the tiny two-expert Wan2.2 text-to-video pipeline, random weights"
+        )
         model = build_tiny_wan(2)
         progress.say(f"model: {model}")
         return model
-    model = Path(args.model).expanduser().absolute()
+    if args.model is None:
+        model = SHIPPED
+        if not (model / MANIFEST).is_file():
+            return _error(
+                f"the trained tiny Wan2.2 is not in this checkout ({model}); train it with "
+                "`python -m vllm_omni_mxfp4_tiny.trained_wan`, or run --random-weights"
+            )
+        if args.quant_path is not None:
+            progress.say("--quant-path ignored: the demo quantizes the trained tiny model itself")
+    else:
+        model = Path(args.model).expanduser().absolute()
     if not (model / "model_index.json").is_file():
         return _error(f"--model {model}: not a diffusers pipeline directory (no model_index.json)")
     if args.quant_path is not None and not Path(args.quant_path).expanduser().is_dir():
@@ -119,7 +138,7 @@ def is_trained(model: Path) -> bool:
 def _own_exports(run: DemoRun) -> bool:
     """Whether the demo makes the msModelSlim exports itself: for the tiny models (embedded or trained),
     which msModelSlim quantizes on the CPU in seconds."""
-    return run.args.model is None or is_trained(run.model)
+    return run.args.random_weights or is_trained(run.model)
 
 
 def _offline_step(run: DemoRun, progress: Progress) -> None:
@@ -164,7 +183,26 @@ def _recipe_step(run: DemoRun, progress: Progress) -> None:
             progress.say(f"{mode.name}: FAILED: {run.failed_early[mode.name]}")
 
 
+def _nvfp4_step(run: DemoRun, progress: Progress) -> None:
+    """Make the nvfp4 mode's checkpoint (tiny models only); a failure fails that mode only."""
+    modes = [m for m in run.modes if m.nvfp4]
+    if not modes:
+        return
+    if not _own_exports(run):
+        progress.say("nvfp4 mode skipped with --model: serve an NVFP4 checkpoint with --quantization mxfp4")
+        run.modes = [m for m in run.modes if not m.nvfp4]
+        return
+    try:
+        run.nvfp4_model = nvfp4_checkpoint(run.model, run.out, progress.say)
+    except Exception as exc:  # the other modes still run; the summary reports this one
+        for mode in modes:
+            run.failed_early[mode.name] = f"NVFP4 step failed: {type(exc).__name__}: {exc}"
+            progress.say(f"{mode.name}: FAILED: {run.failed_early[mode.name]}")
+
+
 def _mode_model(run: DemoRun, mode: Mode) -> Path:
+    if mode.nvfp4:
+        return run.nvfp4_model or run.model
     if mode.recipe is not None:
         return run.recipe_models.get(mode.name, run.model)
     return run.offline_model if mode.offline else run.model
@@ -181,9 +219,11 @@ def _job(run: DemoRun, mode: Mode, kwargs: dict[str, Any]) -> Job:
         prompt=run.args.prompt,
         negative_prompt=run.args.negative_prompt,
         guidance_scale=run.args.guidance_scale,
+        guidance_scale_2=run.args.guidance_scale_2,
         boundary_ratio=model_boundary_ratio(run.model),
         report=True,
-        evaluation=accuracy.job_requests() if is_trained(run.model) else [],
+        evaluation=accuracy.job_requests(run.args.accuracy_seeds) if is_trained(run.model) else [],
+        naive_w4a4=mode.naive_w4a4,
         **run.size,
     )
 
@@ -217,10 +257,14 @@ def _run_mode(run: DemoRun, mode: Mode, tag: str, progress: Progress) -> None:
         },
         transformers=transformers,
     )
+    if "naive_w4a4" in result:  # the plain Linears the bad configuration made W4A4, per transformer
+        entry["naive_w4a4"] = result["naive_w4a4"]
     run.frames[mode.name] = video_frames(np.load(Path(job.out) / "frames_0.npy"))
     if job.evaluation:
         videos = np.load(Path(job.out) / "evaluation.npy")
-        entry["accuracy"] = accuracy.score(np.stack([video_frames(v) for v in videos]))
+        entry["accuracy"] = accuracy.score(
+            np.stack([video_frames(v) for v in videos]), run.args.accuracy_seeds
+        )
         entry["evaluation_s"] = result["evaluation_s"]
     if len(job.seeds) > 1:
         run.other_seed_frames = video_frames(np.load(Path(job.out) / "frames_1.npy"))
@@ -243,12 +287,15 @@ def _run_modes(run: DemoRun, progress: Progress) -> None:
 
 def _finish(run: DemoRun, progress: Progress) -> int:
     """Score, write and print the report; 1 when a mode failed."""
-    settings = {k: getattr(run.args, k) for k in ("prompt", "negative_prompt", "seed", "guidance_scale")}
+    keys = ("prompt", "negative_prompt", "seed", "guidance_scale", "guidance_scale_2")
+    settings = {k: getattr(run.args, k) for k in keys}
     summary = report.Summary(run.out, run.model, run.offline_model, settings, run.results)
     report.score(run.results, run.frames)
     report.write_media(summary, run.frames)
     summary.other_seed = report.other_seed(run.frames.get("bf16"), run.other_seed_frames, run.args.seed + 1)
-    if run.args.model is None:  # the tiny model: NVFP4 sources next to MXFP4 (docs/nvfp4.md, "Quality")
+    if (
+        run.args.random_weights
+    ):  # the random tiny model: NVFP4 sources next to MXFP4 (docs/nvfp4.md, "Quality")
         progress.say("NVFP4 quality: the tiny transformer's output with each format emulated")
         summary.nvfp4_quality = nvfp4_quality.measure()
     report.publish(summary)
@@ -272,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
     demo = DemoRun(args, model, out, list(args.modes), size)
     _offline_step(demo, progress)
     _recipe_step(demo, progress)
+    _nvfp4_step(demo, progress)
     _run_modes(demo, progress)
     return _finish(demo, progress)
 

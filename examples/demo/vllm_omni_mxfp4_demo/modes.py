@@ -23,14 +23,15 @@ DEFAULT_OUT = "outputs/demo"
 TRAINED_DEFAULTS: dict[str, Any] = {
     "height": trained_wan.HEIGHT,
     "width": trained_wan.WIDTH,
-    "num_frames": trained_wan.FRAMES,
+    "num_frames": trained_wan.NUM_FRAMES,
     "steps": trained_wan.EVAL_STEPS,
-    "prompt": "a red circle moving right quickly on a black background",
+    "prompt": "a red bar moving right quickly on a black background",
     "negative_prompt": "",
     "seed": TRAINING_SEEDS,
     "guidance_scale": trained_wan.EVAL_GUIDANCE,
+    "guidance_scale_2": trained_wan.EVAL_GUIDANCE_2,
 }
-#: Without --model: the embedded tiny pipeline with random weights.
+#: --random-weights: the embedded tiny pipeline with random weights.
 TINY_DEFAULTS: dict[str, Any] = {
     "height": 64,
     "width": 64,
@@ -40,6 +41,7 @@ TINY_DEFAULTS: dict[str, Any] = {
     "negative_prompt": "blurry low quality",
     "seed": 42,
     "guidance_scale": 5.0,
+    "guidance_scale_2": None,
 }
 #: A real Wan2.2 checkpoint (the user guide's settings).
 MODEL_DEFAULTS: dict[str, Any] = {**TINY_DEFAULTS, "height": 480, "width": 832, "num_frames": 81, "steps": 40}
@@ -52,7 +54,7 @@ def resolve_defaults(args: argparse.Namespace, trained: bool) -> dict[str, int]:
     if trained:
         defaults = TRAINED_DEFAULTS
     else:
-        defaults = TINY_DEFAULTS if args.model is None else MODEL_DEFAULTS
+        defaults = TINY_DEFAULTS if args.random_weights else MODEL_DEFAULTS
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -63,13 +65,17 @@ def resolve_defaults(args: argparse.Namespace, trained: bool) -> dict[str, int]:
 class Mode:
     """A way to run the model: a name, what it means, and its ``Omni(...)`` arguments; ``offline``
     runs the merged export of the demo's own recipe, ``recipe`` the merged export of one of
-    msModelSlim's shipped recipes (:data:`vllm_omni_mxfp4_tiny.msmodelslim_recipes.RECIPES`)."""
+    msModelSlim's shipped recipes (:data:`vllm_omni_mxfp4_tiny.msmodelslim_recipes.RECIPES`),
+    ``naive_w4a4`` also makes the Linears vLLM-Omni keeps in BF16 W4A4 (a bad configuration), ``nvfp4``
+    runs an NVFP4 copy of the model."""
 
     name: str
     description: str
     omni_kwargs: Callable[[int], dict[str, Any]]  # steps -> kwargs
     offline: bool = False
     recipe: str | None = None
+    naive_w4a4: bool = False  # W4A4 on the plain Linears too (vllm_omni_mxfp4_tiny.naive_w4a4)
+    nvfp4: bool = False  # runs an NVFP4 copy of the model (offline.nvfp4_checkpoint)
 
 
 def _last_steps(steps: int) -> list[int]:
@@ -79,6 +85,13 @@ def _last_steps(steps: int) -> list[int]:
 MODES: tuple[Mode, ...] = (
     Mode("bf16", "BF16, no quantization (the reference)", lambda steps: {}),
     Mode("mxfp4", "mxfp4 online, OCP scale rule", lambda steps: {"quantization": "mxfp4"}),
+    Mode(
+        "naive-w4a4",
+        "a bad configuration, for contrast: mxfp4 online plus W4A4 (emulated) on the Linears vLLM-Omni "
+        "keeps in BF16 (time, timestep-projection and text embedders, proj_out), no fallback anywhere",
+        lambda steps: {"quantization": "mxfp4"},
+        naive_w4a4=True,
+    ),
     Mode(
         "mxfp4-uos",
         "mxfp4 online, UOS scale rule",
@@ -115,6 +128,13 @@ MODES: tuple[Mode, ...] = (
         "merged checkpoint (only its FA3 differs: FP8, which vLLM-Omni runs in BF16)",
         lambda steps: {},
         recipe="w4a4f8",
+    ),
+    Mode(
+        "nvfp4",
+        "an NVFP4 checkpoint of the model (block Linears packed by compressed-tensors) served with "
+        "quantization=mxfp4: requantized to MXFP4 while it loads",
+        lambda steps: {"quantization": "mxfp4"},
+        nvfp4=True,
     ),
 )
 MODE_NAMES = tuple(m.name for m in MODES)
@@ -183,9 +203,22 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="A diffusers Wan2.2 text-to-video pipeline directory. Default: the embedded tiny two-expert "
-        "pipeline, built on first use. A trained tiny pipeline (python -m vllm_omni_mxfp4_tiny.trained_wan "
-        "--out DIR; its TRAINING.json is checked) runs with the task's defaults and adds prompt accuracy.",
+        help="A diffusers Wan2.2 text-to-video pipeline directory. Default: the trained tiny two-expert "
+        "pipeline the demo ships (vllm_omni_mxfp4_tiny/trained/wan22_t2v). A trained tiny pipeline (its "
+        "TRAINING.json is checked) runs with the task's defaults and adds prompt accuracy.",
+    )
+    parser.add_argument(
+        "--accuracy-seeds",
+        type=positive_int,
+        default=1,
+        help="Seeds per prompt of the prompt-accuracy set a trained tiny model generates in every mode "
+        "(8 seen and 4 held-out prompts; default 1, about 2 s a video in a quantized mode on two cores).",
+    )
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="Run the embedded tiny pipeline with random weights instead (built on first use; fast, but "
+        "its frames are noise): the plumbing without the pictures.",
     )
     parser.add_argument(
         "--quant-path",
@@ -204,8 +237,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _default_help(key: str) -> str:
     return (
-        f"tiny: {TINY_DEFAULTS[key]!r}, --model: {MODEL_DEFAULTS[key]!r}, a trained tiny model: "
-        f"{TRAINED_DEFAULTS[key]!r}"
+        f"a trained tiny model (the default): {TRAINED_DEFAULTS[key]!r}, --random-weights: "
+        f"{TINY_DEFAULTS[key]!r}, another --model: {MODEL_DEFAULTS[key]!r}"
     )
 
 
@@ -234,7 +267,15 @@ def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         "--guidance-scale",
         type=float,
         default=None,
-        help=f"Classifier-free guidance scale ({_default_help('guidance_scale')}).",
+        help=f"Classifier-free guidance scale; of the high-noise expert where a second is given "
+        f"({_default_help('guidance_scale')}).",
+    )
+    parser.add_argument(
+        "--guidance-scale-2",
+        type=float,
+        default=None,
+        help="Guidance scale of the low-noise expert (Wan2.2's guidance_scale_2; None: the value of --guidance-scale) "
+        f"({_default_help('guidance_scale_2')}).",
     )
 
 
@@ -243,10 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description=(
-            "Quantized text-to-video demo: builds the tiny two-expert Wan2.2 pipeline (or uses --model), "
-            "quantizes it offline with msModelSlim and merges it, generates one prompt with BF16 and every "
-            "MXFP4 mode through vllm_omni.Omni, and prints PSNR / cosine against BF16, transformer weight "
-            "bytes and timings; writes one video per mode and a PNG strip of frames."
+            "Quantized text-to-video demo: runs the trained tiny two-expert Wan2.2 pipeline it ships (or "
+            "--model), quantizes it offline with msModelSlim and merges it, generates one prompt with BF16 "
+            "and every MXFP4 mode through vllm_omni.Omni, and prints PSNR / cosine against BF16, prompt "
+            "accuracy (trained tiny model), transformer weight bytes and timings; writes one video per mode "
+            "and a PNG strip of frames."
         ),
         epilog="Modes: " + "; ".join(f"{m.name}: {m.description}" for m in MODES),
     )

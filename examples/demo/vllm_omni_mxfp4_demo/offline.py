@@ -12,6 +12,10 @@ export) and merge it with the W8A8 MXFP8 layers kept. w4a4f8's ``linear_quant`` 
 (its weight files are byte-identical; ``tests/checkpoint/test_recipes.py``), and the FA3 records that
 tell them apart are left out of a merged checkpoint, so both modes run the one w4a4f4 checkpoint
 (:data:`SAME_CHECKPOINT`): msModelSlim runs once.
+
+The ``nvfp4`` mode serves an NVFP4 copy of the model that compressed-tensors packs
+(:func:`nvfp4_checkpoint`, the format NVIDIA's tools publish) with ``quantization="mxfp4"``: the
+package requantizes it to MXFP4 while it loads.
 """
 
 from __future__ import annotations
@@ -78,3 +82,19 @@ def recipe_checkpoint(model: Path, recipe: str, out: Path, say: Callable[[str], 
             "attention layers and the online Q/K rotation left out (attention runs BF16)"
         )
     return merged
+
+
+def nvfp4_checkpoint(model: Path, out: Path, say: Callable[[str], None]) -> Path:
+    """An NVFP4 copy of ``model`` under ``out``, its experts' block Linears packed by compressed-tensors
+    (:func:`vllm_omni_mxfp4_tiny.nvfp4_source.nvfp4_pipeline`)."""
+    from vllm_omni_mxfp4_tiny.nvfp4_source import nvfp4_pipeline
+
+    target = out / "nvfp4-compressed-tensors"
+    if target.exists():
+        shutil.rmtree(target)
+    start = time.perf_counter()
+    nvfp4_pipeline(model, target)
+    say(
+        f"NVFP4: compressed-tensors packed the experts' block Linears into {target} in {time.perf_counter() - start:.1f} s"
+    )
+    return target

@@ -18,7 +18,9 @@ that one engine, and writes into ``out``:
 - with ``evaluation`` (``[prompt, seed]`` pairs), ``evaluation.npy``: one video per pair, stacked in
   order (float32 ``(N, F, H, W, 3)``), generated after the seeds with the job's other settings, and
   ``evaluation_s`` in ``result.json`` (their total generation time). The demo scores them with the
-  task's detector (prompt accuracy).
+  task's detector (prompt accuracy);
+- with ``naive_w4a4``, ``naive_w4a4`` in ``result.json``: the plain Linears made W4A4 before any
+  request, per transformer (:mod:`vllm_omni_mxfp4_tiny.naive_w4a4`).
 
 It always runs in a process of its own (:func:`vllm_omni_mxfp4_tiny.runner.run_engine_job`), so
 that every engine starts fresh, its memory is its own, and its worker processes can be reaped.
@@ -50,10 +52,12 @@ class Job:
     num_frames: int = 9
     steps: int = 2
     guidance_scale: float = 5.0
+    guidance_scale_2: float | None = None  # the low-noise expert's (Wan2.2); None: guidance_scale
     boundary_ratio: float | None = None
     report: bool = False
     image: str | None = None  # input image file of image-to-video pipelines (multi_modal_data)
     evaluation: list[tuple[str, int]] = field(default_factory=list)  # (prompt, seed) requests
+    naive_w4a4: bool = False  # also W4A4 on the plain Linears (the demo's bad configuration, .naive_w4a4)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Job:
@@ -98,7 +102,11 @@ def engine_kwargs(job: Job) -> dict[str, Any]:
     boundary = job.boundary_ratio if job.boundary_ratio is not None else model_boundary_ratio(job.model)
     if boundary is not None:
         kwargs["boundary_ratio"] = boundary
-    if job.report:
+    if job.naive_w4a4:
+        from .naive_w4a4 import EXTENSION
+
+        kwargs["worker_extension_cls"] = EXTENSION  # it answers the reports too
+    elif job.report:
         kwargs["worker_extension_cls"] = WORKER_EXTENSION
     return kwargs
 
@@ -112,6 +120,7 @@ def _generate(omni: Any, job: Job, seed: int, prompt_text: str | None = None) ->
         num_frames=job.num_frames,
         num_inference_steps=job.steps,
         guidance_scale=job.guidance_scale,
+        guidance_scale_2=job.guidance_scale_2,
         seed=seed,
     )
     text = job.prompt if prompt_text is None else prompt_text
@@ -168,6 +177,10 @@ def run_job(job: Job) -> dict[str, Any]:
     omni = Omni(model=job.model, **engine_kwargs(job))
     result: dict[str, Any] = {"load_s": time.perf_counter() - start, "gen_s": [], "outputs": []}
     try:
+        if job.naive_w4a4:
+            from . import naive_w4a4
+
+            result["naive_w4a4"] = naive_w4a4.apply(omni)
         if job.report:
             result["transformers"] = [dataclasses.asdict(r) for r in transformer_reports(omni)]
         for index, seed in enumerate(job.seeds):

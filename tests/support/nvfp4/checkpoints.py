@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.support.nvfp4 import reference
+from tests.support.nvfp4.producers.compressed import nvfp4_pipeline  # noqa: F401 (the tests' import path)
 from vllm_omni_mxfp4.formats.nvfp4 import dequantize_nvfp4
 from vllm_omni_mxfp4.sources.nvfp4 import detect_nvfp4, load_nvfp4_weight
 
@@ -149,31 +150,6 @@ def variant(
         tensors(stored)
         save_file(stored, str(sub / "diffusion_pytorch_model.safetensors"), {"format": "pt"})
     return root
-
-
-def nvfp4_pipeline(src: Path, dst: Path) -> Path:
-    """A copy of the diffusers Wan2.2 pipeline ``src`` whose experts are NVFP4 checkpoints written by
-    compressed-tensors itself (``producers/compressed.py``): every 2-D weight of the blocks packed,
-    the condition embedders and ``proj_out`` left in BF16 and listed in ``ignore``."""
-    from safetensors.torch import load_file
-
-    from tests.support.nvfp4.producers.compressed import ct_config, ct_layer
-
-    shutil.copytree(src, dst)
-    for sub in ("transformer", "transformer_2"):
-        files = sorted((dst / sub).glob("*.safetensors"))
-        for path in files:
-            tensors = load_file(str(path))
-            for key in [k for k in tensors if k.startswith("blocks.") and k.endswith(".weight")]:
-                if tensors[key].dim() == 2:
-                    tensors.update(
-                        {f"{key[: -len('weight')]}{k}": v for k, v in ct_layer(tensors.pop(key)).items()}
-                    )
-            save_file(tensors, str(path), {"format": "pt"})
-        cfg = json.loads((dst / sub / "config.json").read_text())
-        cfg["quantization_config"] = ct_config(["re:condition_embedder.*", "proj_out"])
-        (dst / sub / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def pack_component(directory: Path) -> list[str]:
