@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vllm_omni_mxfp4.formats.mx import fake_quantize_mx
 from vllm_omni_mxfp4.inspection.engine import TransformerReportExtension
 
 logger = logging.getLogger(__name__)
@@ -28,8 +29,6 @@ RPC_METHOD = "mxfp4_naive_w4a4_plain_linears"
 
 
 def _quantize_input(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    from vllm_omni_mxfp4.formats.mx import fake_quantize_mx
-
     return (fake_quantize_mx(args[0]), *args[1:])
 
 
