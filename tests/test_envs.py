@@ -100,6 +100,9 @@ CASES: dict[str, Case] = {
         envs.cpu_devices, None, {"1": 1, "8": 8, " 16 ": 16}, ("0", "-2", "two", "1.5")
     ),
     "VLLM_OMNI_MXFP4_CPU_VISIBLE_DEVICES": Case(envs.cpu_visible_devices, None, {}, free_text=("0", "0,1,2")),
+    "VLLM_OMNI_MXFP4_CPU_WARMUP_SIZE": Case(
+        envs.cpu_warmup_size, 64, {"0": 0, "16": 16, " 128 ": 128, "512": 512}, ("-16", "8", "100", "big", "64.0")
+    ),
     "VLLM_OMNI_MXFP4_CACHE": Case(envs.cache_dir, Path("~/.cache/vllm-omni-mxfp4").expanduser(), {}),
 }
 
@@ -154,7 +157,7 @@ def test_refused_value_names_the_variable(name: str, raw: str, monkeypatch: pyte
 def test_accepted_text_lists_every_choice() -> None:
     """The documented ``accepted`` text names every spelling the parser takes (for choices)."""
     for name, case in CASES.items():
-        if name == "VLLM_OMNI_MXFP4_CPU_DEVICES":  # "a positive integer"
+        if name in ("VLLM_OMNI_MXFP4_CPU_DEVICES", "VLLM_OMNI_MXFP4_CPU_WARMUP_SIZE"):  # numbers, not choices
             continue
         accepted = next(v for v in envs.VARIABLES if v.name == name).accepted.lower()
         for raw in case.accepted:

@@ -82,6 +82,18 @@ def _positive_int_or_none(name: str, raw: str) -> int | None:
     return count
 
 
+def _warmup_size(name: str, raw: str) -> int:
+    try:
+        size = int(raw)
+    except ValueError:
+        size = -1
+    if size < 0 or size % 16:
+        raise ValueError(
+            f"{name}={raw!r} is not valid: expected 0 (upstream's warm-up size) or a positive multiple of 16"
+        )
+    return size
+
+
 def _text(name: str, raw: str) -> str | None:
     return raw or None
 
@@ -151,6 +163,14 @@ CPU_VISIBLE_DEVICES = EnvVar(
     "The CPU platform's device-control variable; vLLM-Omni writes it per stage (not for users).",
     _text,
 )
+CPU_WARMUP_SIZE = EnvVar(
+    "VLLM_OMNI_MXFP4_CPU_WARMUP_SIZE",
+    "64",
+    "0, or a positive multiple of 16",
+    "CPU platform: the largest height and width of the warm-up request a diffusion engine runs when it "
+    "starts (upstream: 512x512); `0` keeps upstream's size.",
+    _warmup_size,
+)
 CACHE = EnvVar(
     "VLLM_OMNI_MXFP4_CACHE",
     "~/.cache/vllm-omni-mxfp4",
@@ -169,6 +189,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     CPU_PLATFORM,
     CPU_DEVICES,
     CPU_VISIBLE_DEVICES,
+    CPU_WARMUP_SIZE,
     CACHE,
 )
 
@@ -212,6 +233,11 @@ def cpu_devices() -> int | None:
 def cpu_visible_devices() -> str | None:
     """``VLLM_OMNI_MXFP4_CPU_VISIBLE_DEVICES``: the raw list vLLM-Omni wrote, or ``None``."""
     return CPU_VISIBLE_DEVICES.read()
+
+
+def cpu_warmup_size() -> int:
+    """``VLLM_OMNI_MXFP4_CPU_WARMUP_SIZE``: the CPU platform's warm-up height/width cap (0: upstream's)."""
+    return CPU_WARMUP_SIZE.read()
 
 
 def cache_dir() -> Path:

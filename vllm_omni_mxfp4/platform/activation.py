@@ -116,15 +116,18 @@ def install_fixups() -> None:
 
     vLLM-Omni calls general plugins in every process it starts (API server, engine, stage and
     worker processes) before it builds workers; see :mod:`vllm_omni_mxfp4.platform.fixups` (the
-    worker output loop), :mod:`vllm_omni_mxfp4.platform.op_fixups` (two ops vLLM's CPU path lacks)
-    and :mod:`vllm_omni_mxfp4.platform.job_errors` (a failed job's reason, in the API server only).
+    worker output loop), :mod:`vllm_omni_mxfp4.platform.op_fixups` (two ops vLLM's CPU path lacks),
+    :mod:`vllm_omni_mxfp4.platform.job_errors` (a failed job's reason, in the API server only) and
+    :mod:`vllm_omni_mxfp4.platform.warmup` (a small start-up warm-up request).
     """
     if not decide().active:
         return
     from .fixups import install_worker_output_fixup
     from .job_errors import install_video_error_fixup
     from .op_fixups import install_op_fixups
+    from .warmup import install_cpu_warmup_fixup
 
     install_worker_output_fixup()
     install_op_fixups()
     install_video_error_fixup()
+    install_cpu_warmup_fixup()
