@@ -151,8 +151,12 @@ def test_files(demo_run):
 def trained_run(tmp_path_factory):
     """The demo on the trained tiny Wan2.2 it ships, reduced to the two modes of its own making: the
     bad configuration and the NVFP4 source (each with the prompt-accuracy set)."""
+    from vllm_omni_mxfp4_demo import accuracy
+
     out = tmp_path_factory.mktemp("trained") / "out"
     argv = ["-m", "vllm_omni_mxfp4_demo", "--modes", "naive-w4a4,nvfp4", "--out", str(out)]
+    # The demo's own video is the set's first request, which the engine renders again in a batch.
+    argv += ["--prompt", accuracy.requests()[0][0].text]
     log = out.parent / "demo.log"
     run_bounded(argv, timeout=900, env=subprocess_env(), log=log)
     return out, log.read_text(), json.loads((out / "results.json").read_text())
@@ -170,6 +174,19 @@ def test_trained_model_runs_by_default_with_prompt_accuracy(trained_run):
     for m in modes.values():
         assert m["accuracy"]["seen"]["videos"] == 8 and m["accuracy"]["held_out"]["videos"] == 4
     assert "accuracy seen" in text and "accuracy held-out" in text
+
+
+def test_batched_evaluation_gives_each_request_its_own_video(trained_run):
+    """The set's videos come from one batched generate call per seed; its first request is the demo's own
+    (prompt, seed), rendered alone: the same video (another seed is about 20 dB away, see the summary)."""
+    out, _, results = trained_run
+    for mode in ("bf16", "naive-w4a4", "nvfp4"):
+        alone = np.load(out / "runs" / mode / "frames_0.npy")
+        batched = np.load(out / "runs" / mode / "evaluation.npy")
+        assert batched.shape[0] == 12 and batched[0].shape == alone.shape
+        error = float(np.mean((batched[0] - alone) ** 2))
+        assert error == 0.0 or 10 * math.log10(1.0 / error) > 50, (mode, error)
+        assert float(np.mean((batched[1] - alone) ** 2)) > 1e-4  # another prompt: another video
 
 
 def test_bad_configuration_quantizes_the_plain_linears_too(trained_run):

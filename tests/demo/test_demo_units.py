@@ -305,3 +305,17 @@ def test_engine_job_evaluation_requests_are_checked_by_index():
             ValueError, match=r"evaluation\[1\] is .*; expected \[prompt, seed\] with a seed >= 0"
         ):
             Job.from_dict(data)
+    repeated = {**good, "evaluation": [*good["evaluation"], ["a red bar", 1_000_000]]}
+    with pytest.raises(ValueError, match=r"evaluation\[2\] repeats the pair \('a red bar', 1000000\)"):
+        Job.from_dict(repeated)
+
+
+def test_engine_job_batches_the_evaluation_by_seed():
+    from vllm_omni_mxfp4_tiny.engine_job import engine_kwargs, evaluation_groups
+
+    pairs = [("a", 1), ("b", 2), ("c", 1), ("d", 1)]
+    assert evaluation_groups(pairs) == {1: ["a", "c", "d"], 2: ["b"]}
+    assert engine_kwargs(Job(model="m", out="o", evaluation=pairs))["max_num_seqs"] == 3
+    assert "max_num_seqs" not in engine_kwargs(Job(model="m", out="o"))
+    pinned = Job(model="m", out="o", evaluation=pairs, omni_kwargs={"max_num_seqs": 1})
+    assert engine_kwargs(pinned)["max_num_seqs"] == 1
