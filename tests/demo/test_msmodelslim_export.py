@@ -108,3 +108,85 @@ def test_collections_inside_the_block_skip_older_objects_only():
         assert older_cycle() is None
     finally:
         gc.enable()
+
+
+# ----------------------------------------------------------------------------- calibration
+
+CALIBRATION = {"height": 32, "width": 32, "num_frames": 5, "steps": 3, "guidance_scale": 2.0, "guidance_scale_2": 1.5}
+PROMPTS = ("a red square moving left slowly on a black background", "a green bar moving up quickly on a gray background")
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    """Maxima of the shipped trained model over each prompt alone and over both (seed 0: a training seed)."""
+    import torch
+
+    from vllm_omni_mxfp4_tiny.calibration import activation_maxima
+    from vllm_omni_mxfp4_tiny.trained_wan import SHIPPED
+
+    torch.manual_seed(0)
+    runs = {p: activation_maxima(SHIPPED, [p], [0], **CALIBRATION) for p in PROMPTS}
+    return runs, activation_maxima(SHIPPED, list(PROMPTS), [0], **CALIBRATION)
+
+
+def test_calibration_records_every_smoothed_linear_of_both_experts(calibrated):
+    import torch
+
+    _, both = calibrated
+    specs = exporter.default_specs(6, ("transformer", "transformer_2"))
+    for folder, spec in specs.items():
+        for group in spec.smooth:
+            for name in group:
+                amax = both[folder][name]
+                assert amax.dim() == 1 and bool(torch.isfinite(amax).all()) and float(amax.min()) >= 0, name
+            # Linears of one Smooth group read one input, so one set of maxima.
+            assert all(torch.equal(both[folder][name], both[folder][group[0]]) for name in group), group
+    high, low = both["transformer"]["blocks.1.ffn.0"], both["transformer_2"]["blocks.1.ffn.0"]
+    assert not torch.equal(high, low)  # each expert calibrated on its own steps
+
+
+def test_calibration_keeps_the_maximum_over_the_whole_set(calibrated):
+    """Over two prompts, each channel's maximum is the larger of the two prompts' own."""
+    import torch
+
+    alone, both = calibrated
+    for folder in both:
+        for name, amax in both[folder].items():
+            expected = torch.maximum(*(alone[p][folder][name] for p in PROMPTS))
+            torch.testing.assert_close(amax, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_an_expert_with_no_step_is_refused():
+    from vllm_omni_mxfp4_tiny.calibration import activation_maxima
+    from vllm_omni_mxfp4_tiny.trained_wan import SHIPPED
+
+    with pytest.raises(ValueError, match=r"\['transformer_2'\] of .* ran no denoising step with 1 steps"):
+        activation_maxima(SHIPPED, [PROMPTS[0]], [0], **{**CALIBRATION, "steps": 1})
+
+
+def test_bad_calibration_maxima_name_the_group(calibrated):
+    import torch
+
+    _, both = calibrated
+    group = ["blocks.1.self_attn.q", "blocks.1.self_attn.k", "blocks.1.self_attn.v"]
+    good = dict(both["transformer"])
+    assert exporter._calibrated(good, group, 256).shape == (256,)
+    missing = {k: v for k, v in good.items() if k != "blocks.1.self_attn.k"}
+    with pytest.raises(ValueError, match=r"no entry for \['blocks.1.self_attn.k'\]"):
+        exporter._calibrated(missing, group, 256)
+    short = {**good, "blocks.1.self_attn.q": good["blocks.1.self_attn.q"][:128]}
+    with pytest.raises(ValueError, match=r"shape \(128,\); expected 256 finite values"):
+        exporter._calibrated(short, group, 256)
+    nan = good["blocks.1.self_attn.q"].clone()
+    nan[3] = float("nan")
+    with pytest.raises(ValueError, match="expected 256 finite values"):
+        exporter._calibrated({**good, "blocks.1.self_attn.q": nan}, group, 256)
+    assert torch.equal(good["blocks.1.self_attn.q"], both["transformer"]["blocks.1.self_attn.q"])
+
+
+def test_export_refuses_maxima_without_every_expert(calibrated, tmp_path):
+    from vllm_omni_mxfp4_tiny.trained_wan import SHIPPED
+
+    _, both = calibrated
+    with pytest.raises(ValueError, match=r"no calibration for \['transformer_2'\]"):
+        exporter.export_pipeline(SHIPPED, tmp_path / "out", maxima={"transformer": both["transformer"]})

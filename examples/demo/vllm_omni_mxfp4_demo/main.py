@@ -153,7 +153,9 @@ def _offline_step(run: DemoRun, progress: Progress) -> None:
         return
     quant_path = None if _own_exports(run) else Path(run.args.quant_path).expanduser().absolute()
     try:
-        run.offline_model = offline_checkpoint(run.model, quant_path, run.out, progress.say)
+        run.offline_model = offline_checkpoint(
+            run.model, quant_path, run.out, progress.say, calibrate=is_trained(run.model)
+        )
     except Exception as exc:  # the other modes still run; the summary reports this one
         run.failed_early["offline"] = f"offline step failed: {type(exc).__name__}: {exc}"
         progress.say(f"offline: FAILED: {run.failed_early['offline']}")

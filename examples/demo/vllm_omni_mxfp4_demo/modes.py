@@ -110,7 +110,8 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         "offline",
-        "merged msModelSlim checkpoint (mxfp4_dualscale offline), no quantization argument: auto-detected",
+        "merged msModelSlim checkpoint (mxfp4_dualscale offline; Smooth calibrated on training prompts for a "
+        "trained model), no quantization argument: auto-detected",
         lambda steps: {},
         offline=True,
     ),

@@ -7,8 +7,10 @@ pieces — the lowest-level ones, which need no NPU and no model adapter:
 
 - Smooth: ``iter_smooth_impl_non_fusion_linear`` (the iter_smooth API for a NonFusionSubgraph), then
   ``NonFusionSmoothQuantHookIR`` on each Linear, as ``IterSmoothProcessor.apply_smooth_algorithm``
-  does. There is no calibration run here: the per-channel activation maxima are synthetic (seeded),
-  so the Smooth factors exercise the format, not a tuned recipe;
+  does. The per-channel activation maxima come from a calibration run of the pipeline
+  (:mod:`vllm_omni_mxfp4_tiny.calibration`, what ``msmodelslim quant`` does with its calibration
+  prompts) or, for a model whose outputs mean nothing (random weights), are synthetic (seeded), so
+  that the Smooth factors exercise the format;
 - ``LinearQuantProcessor`` with its pydantic config (W4A4_MXFP4 per-block minmax, or
   W4A4_MXFP4_DUALSCALE ``dualscale``), one ``BatchProcessRequest`` per top-level module;
 - the ``mindie_format_saver`` or ``ascendv1_saver`` processor, optionally sharded with msModelSlim's
@@ -289,7 +291,12 @@ def _qconfig(fmt: str):
     return LinearQConfig(act=q, weight=q)
 
 
-def _smooth(model: nn.Module, groups: list[list[str]], seed: int) -> None:
+def _smooth(
+    model: nn.Module,
+    groups: list[list[str]],
+    seed: int,
+    maxima: Mapping[str, torch.Tensor] | None = None,
+) -> None:
     from msmodelslim.ir.non_fusion_smooth_quant_ir import NonFusionSmoothQuantHookIR
     from msmodelslim.processor.anti_outlier.common.smooth_types import IterSmoothConfig, IterSmoothContext
     from msmodelslim.processor.anti_outlier.common.subgraph_type import NonFusionSubgraph
@@ -304,7 +311,10 @@ def _smooth(model: nn.Module, groups: list[list[str]], seed: int) -> None:
                 f"Smooth group {group}: no such Linear in the original Wan tree ({exc})"
             ) from None
         k = linears[0].in_features
-        act_amax = (torch.rand(k, generator=gen) * 8 + 0.05).to(torch.bfloat16)
+        if maxima is None:
+            act_amax = (torch.rand(k, generator=gen) * 8 + 0.05).to(torch.bfloat16)
+        else:
+            act_amax = _calibrated(maxima, group, k)
         context = IterSmoothContext(version=1, a_smooth_scale=act_amax, shift=None)
         scales = iter_smooth_impl_non_fusion_linear(
             NonFusionSubgraph(linears=linears, linear_names=group), IterSmoothConfig(), context
@@ -312,6 +322,22 @@ def _smooth(model: nn.Module, groups: list[list[str]], seed: int) -> None:
         for linear in linears:
             hook = NonFusionSmoothQuantHookIR(scales)
             hook.set_hook_handle(linear.register_forward_pre_hook(hook))
+
+
+def _calibrated(maxima: Mapping[str, torch.Tensor], group: list[str], k: int) -> torch.Tensor:
+    """A Smooth group's input maxima from a calibration run: the Linears of a group share their input."""
+    missing = [name for name in group if name not in maxima]
+    if missing:
+        raise ValueError(
+            f"Smooth group {group}: the calibration maxima have no entry for {missing}; calibrate the "
+            "same pipeline (vllm_omni_mxfp4_tiny.calibration.activation_maxima)"
+        )
+    amax = maxima[group[0]]
+    if amax.shape != (k,) or not bool(torch.isfinite(amax).all()):
+        raise ValueError(
+            f"Smooth group {group}: calibration maxima of shape {tuple(amax.shape)}; expected {k} finite values"
+        )
+    return amax.clamp_min(1e-5).to(torch.bfloat16)
 
 
 def _reference(module: nn.Module) -> LayerReference | None:
@@ -390,10 +416,14 @@ def quantize_expert(
     spec: ExpertSpec,
     *,
     seed: int = 0,
+    maxima: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, LayerReference]:
     """Quantize one expert with msModelSlim and save its export into ``save_dir`` (new or empty).
 
     ``diffusers_state`` and ``config`` are the expert's diffusers weights and ``config.json``.
+    ``maxima``: calibrated per-channel input maxima by original Linear name
+    (:func:`vllm_omni_mxfp4_tiny.calibration.activation_maxima`); without them the Smooth factors
+    stand on synthetic maxima seeded with ``seed``.
     Returns, by ORIGINAL layer name, what msModelSlim quantized (for validating a merge).
     """
     require_msmodelslim()
@@ -404,7 +434,7 @@ def quantize_expert(
     if save_dir.exists() and (not save_dir.is_dir() or any(save_dir.iterdir())):
         raise FileExistsError(f"msModelSlim export directory {save_dir} exists and is not empty")
     model = original_model(diffusers_state, config)
-    _smooth(model, spec.smooth, seed)
+    _smooth(model, spec.smooth, seed, maxima)
     quant = LinearQuantProcessor(
         model, LinearProcessorConfig(qconfig=_qconfig(spec.fmt), include=["*"], exclude=spec.exclude)
     )
@@ -477,13 +507,16 @@ def export_pipeline(
     specs: Mapping[str, ExpertSpec] | None = None,
     *,
     seed: int = 0,
+    maxima: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
 ) -> dict[str, dict[str, LayerReference]]:
     """Quantize every transformer of a diffusers Wan2.2 pipeline with msModelSlim into ``save_path``.
 
     ``save_path`` must not exist; it gets ``high_noise_model/`` and ``low_noise_model/`` for a
     two-expert pipeline, or the single expert's files at its root. ``specs`` maps transformer
-    folders to :class:`ExpertSpec` (default: :func:`default_specs`). Expert ``i`` uses Smooth
-    statistics seeded with ``seed + i``. Returns each folder's :func:`quantize_expert` references.
+    folders to :class:`ExpertSpec` (default: :func:`default_specs`). ``maxima``: each folder's
+    calibrated input maxima (:func:`vllm_omni_mxfp4_tiny.calibration.activation_maxima`); without
+    them expert ``i`` uses synthetic Smooth statistics seeded with ``seed + i``. Returns each
+    folder's :func:`quantize_expert` references.
     """
     require_msmodelslim()
     original_model, save_path = Path(original_model), Path(save_path)
@@ -496,6 +529,9 @@ def export_pipeline(
     unknown = sorted(set(specs) - set(experts))
     if unknown:
         raise ValueError(f"specs name transformers {unknown} that {original_model} does not have ({experts})")
+    uncalibrated = sorted(set(specs) - set(maxima)) if maxima is not None else []
+    if uncalibrated:
+        raise ValueError(f"maxima has no calibration for {uncalibrated} of {original_model}; calibrate every expert")
     save_path.mkdir(parents=True)
     references = {}
     for i, name in enumerate(experts):
@@ -503,5 +539,6 @@ def export_pipeline(
             continue
         target = save_path / EXPERT_FOLDERS[name] if len(experts) == 2 else save_path
         state, config = loaded[name]
-        references[name] = quantize_expert(state, config, target, specs[name], seed=seed + i)
+        expert_maxima = None if maxima is None else maxima[name]
+        references[name] = quantize_expert(state, config, target, specs[name], seed=seed + i, maxima=expert_maxima)
     return references
