@@ -319,3 +319,26 @@ def test_engine_job_batches_the_evaluation_by_seed():
     assert "max_num_seqs" not in engine_kwargs(Job(model="m", out="o"))
     pinned = Job(model="m", out="o", evaluation=pairs, omni_kwargs={"max_num_seqs": 1})
     assert engine_kwargs(pinned)["max_num_seqs"] == 1
+
+
+def test_a_recipe_that_shares_a_checkpoint_reuses_its_run(tmp_path):
+    """wan-w4a4f8 runs w4a4f4's merged checkpoint with the same arguments: the demo reuses that run,
+    and only when the checkpoint, the arguments and a finished run all match."""
+    from vllm_omni_mxfp4_demo.main import DemoRun, _same_engine_run
+
+    by_name = {m.name: m for m in modes.MODES}
+    f4, f8 = by_name["wan-w4a4f4"], by_name["wan-w4a4f8"]
+    merged = tmp_path / "merged-w4a4f4"
+
+    def run(**changes) -> DemoRun:
+        state = DemoRun(argparse.Namespace(), tmp_path, tmp_path, [f4, f8], {"steps": 10})
+        state.recipe_models = {"wan-w4a4f4": merged, "wan-w4a4f8": merged, **changes.get("models", {})}
+        state.results = [{"mode": "wan-w4a4f4", "omni_kwargs": {}, "psnr": 36.2, **changes.get("entry", {})}]
+        state.frames = {"wan-w4a4f4": np.zeros((1, 2, 2, 3))}
+        return state
+
+    assert _same_engine_run(run(), f8, {})["psnr"] == 36.2
+    assert _same_engine_run(run(), f4, {}) is None  # f4 is nobody's copy
+    assert _same_engine_run(run(), f8, {"quantization": "mxfp4"}) is None
+    assert _same_engine_run(run(entry={"error": "engine died"}), f8, {}) is None
+    assert _same_engine_run(run(models={"wan-w4a4f8": tmp_path / "other"}), f8, {}) is None

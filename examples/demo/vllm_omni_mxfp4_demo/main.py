@@ -240,6 +240,14 @@ def _run_mode(run: DemoRun, mode: Mode, tag: str, progress: Progress) -> None:
     if mode.name in run.failed_early:
         entry["error"] = run.failed_early[mode.name]
         return
+    twin = _same_engine_run(run, mode, kwargs)
+    if twin is not None:
+        # The same checkpoint with the same arguments: a second engine would give the same numbers.
+        entry.update({k: v for k, v in twin.items() if k not in ("mode", "description")}, same_run_as=twin["mode"])
+        entry["description"] += f"; its numbers are {twin['mode']}'s run (same checkpoint and arguments)"
+        run.frames[mode.name] = run.frames[twin["mode"]]
+        progress.say(f"{tag}: the checkpoint and arguments of {twin['mode']}: its run (no second engine)")
+        return
     arguments = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no quantization argument"
     progress.say(f"{tag}: Omni(model=..., {arguments})")
     try:
@@ -271,6 +279,20 @@ def _run_mode(run: DemoRun, mode: Mode, tag: str, progress: Progress) -> None:
     if len(job.seeds) > 1:
         run.other_seed_frames = video_frames(np.load(Path(job.out) / "frames_1.npy"))
     progress.say(f"{tag}: engine started in {result['load_s']:.1f} s, generated in {entry['gen_s']:.2f} s")
+
+
+def _same_engine_run(run: DemoRun, mode: Mode, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The finished entry of an earlier mode of ``run`` that ran the checkpoint ``mode`` runs with the
+    same arguments (a recipe of :data:`SAME_CHECKPOINT`), if any."""
+    if mode.recipe not in SAME_CHECKPOINT:
+        return None
+    twin = next((m for m in run.modes if m.recipe == SAME_CHECKPOINT[mode.recipe]), None)
+    if twin is None or _mode_model(run, twin) != _mode_model(run, mode):
+        return None
+    entry = next((e for e in run.results if e["mode"] == twin.name), None)
+    if entry is None or "error" in entry or entry.get("omni_kwargs") != kwargs or twin.name not in run.frames:
+        return None
+    return entry
 
 
 def _run_modes(run: DemoRun, progress: Progress) -> None:
