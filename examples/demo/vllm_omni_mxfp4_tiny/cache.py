@@ -46,6 +46,16 @@ def content_key(spec: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def files_digest(root: Path, pattern: str = "**/*") -> str:
+    """SHA-256 over the relative path and bytes of every file under ``root`` matching ``pattern``, in
+    sorted order: a content key that follows what a directory holds, not where it is."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.glob(pattern) if p.is_file()):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def cache_root(kind: str, cache_dir: str | Path | None = None) -> Path:
     """``<cache_dir or envs.cache_dir()>/<kind>``: where the builds of one builder live."""
     return (Path(cache_dir).expanduser() if cache_dir is not None else envs.cache_dir()) / kind

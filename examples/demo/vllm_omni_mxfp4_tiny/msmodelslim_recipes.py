@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cache import cache_root, content_key
+from .cache import cache_root, content_key, files_digest
 from .msmodelslim_export import (
     EXPERT_FOLDERS,
     OriginalWan,
@@ -262,13 +262,7 @@ def _rebuilt(saved: dict[str, Any]) -> nn.Module:
 
 def _weights_digest(original_model: Path, folders: tuple[str, ...]) -> dict[str, str]:
     """A hash of each transformer's weight files (the cache key follows the weights, not the path)."""
-    digests = {}
-    for folder in folders:
-        h = hashlib.sha256()
-        for path in sorted((original_model / folder).glob("*.safetensors")):
-            h.update(path.read_bytes())
-        digests[folder] = h.hexdigest()
-    return digests
+    return {folder: files_digest(original_model / folder, "*.safetensors") for folder in folders}
 
 
 def cached_recipe_export(
