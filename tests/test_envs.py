@@ -101,7 +101,10 @@ CASES: dict[str, Case] = {
     ),
     "VLLM_OMNI_MXFP4_CPU_VISIBLE_DEVICES": Case(envs.cpu_visible_devices, None, {}, free_text=("0", "0,1,2")),
     "VLLM_OMNI_MXFP4_CPU_WARMUP_SIZE": Case(
-        envs.cpu_warmup_size, 64, {"0": 0, "16": 16, " 128 ": 128, "512": 512}, ("-16", "8", "100", "big", "64.0")
+        envs.cpu_warmup_size,
+        64,
+        {"0": 0, "16": 16, " 128 ": 128, "512": 512},
+        ("-16", "8", "100", "big", "64.0"),
     ),
     "VLLM_OMNI_MXFP4_CACHE": Case(envs.cache_dir, Path("~/.cache/vllm-omni-mxfp4").expanduser(), {}),
 }

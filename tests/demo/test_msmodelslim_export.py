@@ -112,8 +112,18 @@ def test_collections_inside_the_block_skip_older_objects_only():
 
 # ----------------------------------------------------------------------------- calibration
 
-CALIBRATION = {"height": 32, "width": 32, "num_frames": 5, "steps": 3, "guidance_scale": 2.0, "guidance_scale_2": 1.5}
-PROMPTS = ("a red square moving left slowly on a black background", "a green bar moving up quickly on a gray background")
+CALIBRATION = {
+    "height": 32,
+    "width": 32,
+    "num_frames": 5,
+    "steps": 3,
+    "guidance_scale": 2.0,
+    "guidance_scale_2": 1.5,
+}
+PROMPTS = (
+    "a red square moving left slowly on a black background",
+    "a green bar moving up quickly on a gray background",
+)
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,9 @@ def test_installed_on_the_engine_that_builds_the_warmup(monkeypatch: pytest.Monk
     from vllm_omni_mxfp4.patching import MARKER, original_of
     from vllm_omni_mxfp4.platform.activation import install_fixups
 
-    monkeypatch.setattr(DiffusionEngine, "_make_dummy_request", DiffusionEngine.__dict__["_make_dummy_request"])
+    monkeypatch.setattr(
+        DiffusionEngine, "_make_dummy_request", DiffusionEngine.__dict__["_make_dummy_request"]
+    )
     install_fixups()
     installed = DiffusionEngine.__dict__["_make_dummy_request"]
     assert getattr(installed, MARKER, None) == HOOK

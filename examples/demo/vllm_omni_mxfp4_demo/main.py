@@ -243,7 +243,9 @@ def _run_mode(run: DemoRun, mode: Mode, tag: str, progress: Progress) -> None:
     twin = _same_engine_run(run, mode, kwargs)
     if twin is not None:
         # The same checkpoint with the same arguments: a second engine would give the same numbers.
-        entry.update({k: v for k, v in twin.items() if k not in ("mode", "description")}, same_run_as=twin["mode"])
+        entry.update(
+            {k: v for k, v in twin.items() if k not in ("mode", "description")}, same_run_as=twin["mode"]
+        )
         entry["description"] += f"; its numbers are {twin['mode']}'s run (same checkpoint and arguments)"
         run.frames[mode.name] = run.frames[twin["mode"]]
         progress.say(f"{tag}: the checkpoint and arguments of {twin['mode']}: its run (no second engine)")

@@ -32,7 +32,6 @@ from typing import Any
 
 from vllm_omni_mxfp4.checkpoint import merge
 
-
 #: The calibration set of a trained model: CALIBRATION_PROMPTS training prompts (sample_prompts
 #: seed CALIBRATION_SAMPLE) with CALIBRATION_SEEDS, seeds of the training range, below TRAINING_SEEDS.
 CALIBRATION_PROMPTS, CALIBRATION_SAMPLE, CALIBRATION_SEEDS = 16, 7, (0,)

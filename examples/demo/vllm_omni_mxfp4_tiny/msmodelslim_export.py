@@ -531,7 +531,9 @@ def export_pipeline(
         raise ValueError(f"specs name transformers {unknown} that {original_model} does not have ({experts})")
     uncalibrated = sorted(set(specs) - set(maxima)) if maxima is not None else []
     if uncalibrated:
-        raise ValueError(f"maxima has no calibration for {uncalibrated} of {original_model}; calibrate every expert")
+        raise ValueError(
+            f"maxima has no calibration for {uncalibrated} of {original_model}; calibrate every expert"
+        )
     save_path.mkdir(parents=True)
     references = {}
     for i, name in enumerate(experts):
@@ -540,5 +542,7 @@ def export_pipeline(
         target = save_path / EXPERT_FOLDERS[name] if len(experts) == 2 else save_path
         state, config = loaded[name]
         expert_maxima = None if maxima is None else maxima[name]
-        references[name] = quantize_expert(state, config, target, specs[name], seed=seed + i, maxima=expert_maxima)
+        references[name] = quantize_expert(
+            state, config, target, specs[name], seed=seed + i, maxima=expert_maxima
+        )
     return references
