@@ -273,3 +273,38 @@ def test_the_moving_average_is_what_an_expert_ends_with(bank_and_text):
     for a, b, c in zip(start.parameters(), last.parameters(), smooth.parameters()):
         if not torch.equal(a, b):  # a trained weight: the average is neither the start nor the end
             assert not torch.equal(c, b) and not torch.equal(c, a)
+
+
+def test_exponential_average_ramps_up_then_keeps_its_decay():
+    """(1 + step) / (10 + step) for the first steps, then ``decay``: the average after two updates
+    towards 1 from 0 is 1 - 0.1 * 2/11, and copy_to writes it into the parameters."""
+    parameter = torch.nn.Parameter(torch.zeros(3))
+    average = training.ExponentialAverage([parameter], decay=0.99)
+    with torch.no_grad():
+        parameter.fill_(1.0)
+    average.update([parameter], step=0)  # decay 1/10
+    torch.testing.assert_close(average.average[0], torch.full((3,), 0.9))
+    average.update([parameter], step=1)  # decay 2/11
+    torch.testing.assert_close(average.average[0], torch.full((3,), 1 - 0.1 * 2 / 11))
+    average.decay = 0.5
+    average.update([parameter], step=100)  # min(0.5, 101/110)
+    torch.testing.assert_close(average.average[0], torch.full((3,), 1 - 0.05 * 2 / 11))
+    average.copy_to([parameter])
+    torch.testing.assert_close(parameter.detach(), average.average[0])
+
+
+def test_image_batches_are_seeded_renders_of_their_prompts():
+    import numpy as np
+
+    from vllm_omni_mxfp4_tiny.detect import read
+
+    prompts = task.image_prompts(held_out=False)
+    first = training.image_batch(np.random.default_rng(3), prompts, 6, height=32, width=32)
+    again = training.image_batch(np.random.default_rng(3), prompts, 6, height=32, width=32)
+    assert torch.equal(first[0], again[0]) and (first[1] == again[1]).all()
+    images, which = first
+    assert images.shape == (6, 3, 32, 32) and float(images.min()) >= -1 and float(images.max()) <= 1
+    for image, index in zip(images, which):
+        reading = read(((image + 1) / 2).permute(1, 2, 0).numpy())
+        prompt = prompts[index]
+        assert (reading.colour, reading.shape, reading.position) == (prompt.colour, prompt.shape, prompt.position)

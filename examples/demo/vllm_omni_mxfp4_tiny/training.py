@@ -27,6 +27,11 @@ trained with it load and run there unchanged:
   :func:`latent_bank` encodes a fixed set of renders once; :func:`train_expert` trains one expert on
   it. Each is deterministic in its config's seed (same losses, same weights) and shows its loss in
   a tqdm bar. Training renders use seeds below :data:`TRAINING_SEEDS`.
+- **Shared with the image model** (:mod:`.trained_flux`): :func:`image_batch` (still renders, as
+  :func:`video_batch`), :class:`ExponentialAverage` (the weights' moving average both transformer
+  loops end on), :func:`flow_matching_loss` and :func:`compact_text` (with FLUX's timestep scale and
+  inputs, and its identical non-zero padding rows), :func:`cosine_learning_rate`, the task's
+  vocabulary.
 """
 
 from __future__ import annotations
@@ -41,7 +46,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .task import TRAINING_SEEDS, VideoPrompt, image_prompts, render_video, video_prompts
+from .task import (
+    TRAINING_SEEDS,
+    ImagePrompt,
+    VideoPrompt,
+    image_prompts,
+    render_image,
+    render_video,
+    video_prompts,
+)
 
 MAX_SEQUENCE_LENGTH = 512
 """The padded text length vLLM-Omni's Wan2.2 pipeline gives the transformer (``max_sequence_length``)."""
@@ -105,13 +118,18 @@ def prompt_embeddings(
     return torch.where(keep, states, torch.zeros_like(states))
 
 
-def compact_text(embeddings: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``length`` rows of zero-padded ``embeddings`` and the logit bias ``(B, length)``
-    that makes attention over them equal attention over all rows (module docstring).
+def compact_text(
+    embeddings: torch.Tensor, length: int, tokens: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``length`` rows of padded ``embeddings`` and the logit bias ``(B, length)`` that
+    makes attention over them equal attention over all rows (module docstring).
 
-    Every prompt must leave at least one padding row among the kept ones."""
+    ``tokens`` (``(B,)``): how many leading rows of each prompt are its own; by default the rows that
+    are not zero (Wan2.2's pipeline zero-fills the padding). Exact only when every padding row of a
+    prompt holds the same values. Every prompt must leave at least one padding row among the kept ones."""
     batch, total, _ = embeddings.shape
-    tokens = (embeddings.abs().amax(dim=-1) > 0).sum(dim=1)
+    if tokens is None:
+        tokens = (embeddings.abs().amax(dim=-1) > 0).sum(dim=1)
     if int(tokens.max()) >= length:
         raise ValueError(
             f"compact_text: a prompt has {int(tokens.max())} tokens, which leaves no padding row among "
@@ -168,12 +186,23 @@ def flow_matching_loss(
     sigma: torch.Tensor,
     noise: torch.Tensor,
     text: torch.Tensor,
+    *,
+    timestep_scale: float = 1000.0,
+    **inputs: Any,
 ) -> torch.Tensor:
-    """Mean squared error of the transformer's flow prediction at noise level ``sigma`` (per sample)."""
+    """Mean squared error of the transformer's flow prediction at noise level ``sigma`` (per sample).
+
+    The transformer gets ``timestep_scale * sigma`` as its timestep (diffusers' Wan transformer
+    takes 1000 * sigma; its FLUX transformer takes sigma and scales it itself: 1.0) and ``inputs`` as
+    further keyword arguments (FLUX's pooled text, position ids, guidance)."""
     s = sigma.view(-1, *([1] * (x0.dim() - 1)))
     noisy = (1 - s) * x0 + s * noise
     predicted = transformer(
-        hidden_states=noisy, timestep=sigma * 1000, encoder_hidden_states=text, return_dict=False
+        hidden_states=noisy,
+        timestep=sigma * timestep_scale,
+        encoder_hidden_states=text,
+        return_dict=False,
+        **inputs,
     )[0]
     return F.mse_loss(predicted.float(), (noise - x0).float())
 
@@ -208,6 +237,42 @@ def _optimizer_step(
     torch.nn.utils.clip_grad_norm_(parameters, 1.0)
     optimizer.step()
     return float(loss.detach())
+
+
+class ExponentialAverage:
+    """The exponential moving average of a module's parameters over training steps: decay ``decay``,
+    ramped up over the first steps (``min(decay, (1 + step) / (10 + step))``), so that early weights
+    are soon forgotten. After a short run the average samples better than the last step's weights."""
+
+    def __init__(self, parameters: Sequence[torch.nn.Parameter], decay: float) -> None:
+        self.decay = decay
+        self.average = [p.detach().clone() for p in parameters]
+
+    @torch.no_grad()
+    def update(self, parameters: Sequence[torch.nn.Parameter], step: int) -> None:
+        """Fold ``parameters`` as they are after training step ``step`` (from 0) into the average."""
+        decay = min(self.decay, (1 + step) / (10 + step))
+        for kept, parameter in zip(self.average, parameters):
+            kept.lerp_(parameter, 1 - decay)
+
+    @torch.no_grad()
+    def copy_to(self, parameters: Sequence[torch.nn.Parameter]) -> None:
+        """Set ``parameters`` to the average."""
+        for kept, parameter in zip(self.average, parameters):
+            parameter.copy_(kept)
+
+
+def image_batch(
+    rng: np.random.Generator, prompts: Sequence[ImagePrompt], batch: int, *, height: int, width: int
+) -> tuple[torch.Tensor, np.ndarray]:
+    """``batch`` renders of prompts and seeds drawn from ``rng``: ``(B, 3, H, W)`` in [-1, 1] (the
+    VAE's range) and the index of each one's prompt in ``prompts``."""
+    which = rng.integers(len(prompts), size=batch)
+    seeds = rng.integers(TRAINING_SEEDS, size=batch)
+    images = np.stack(
+        [render_image(prompts[i], int(s), height=height, width=width) for i, s in zip(which, seeds)]
+    )
+    return torch.from_numpy(images).permute(0, 3, 1, 2) * 2 - 1, which
 
 
 def video_batch(
@@ -382,7 +447,8 @@ class ExpertTraining:
     """How one expert is trained with :func:`flow_matching_loss` on noise levels in
     ``[sigma_low, sigma_high)``, drawn uniform in the unshifted time and mapped through
     :func:`shifted_sigma` with ``shift`` (1: uniform in sigma); ``drop_prompt`` of the samples see the
-    empty prompt instead (the unconditional branch classifier-free guidance needs)."""
+    empty prompt instead (the unconditional branch classifier-free guidance needs). The tiny FLUX's
+    single transformer is trained with one too, over every noise level (:mod:`.trained_flux`)."""
 
     steps: int
     sigma_low: float
@@ -447,7 +513,8 @@ def train_expert(
     generator = torch.Generator().manual_seed(config.seed)
     u_low, u_high = (unshifted_time(s, config.shift) for s in (config.sigma_low, config.sigma_high))
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    average = [p.detach().clone() for p in transformer.parameters()] if config.ema else None
+    parameters = list(transformer.parameters())
+    average = ExponentialAverage(parameters, config.ema) if config.ema else None
     transformer.train()
     losses: list[float] = []
     bar = tqdm(range(config.steps), desc=name, disable=not progress)
@@ -464,17 +531,12 @@ def train_expert(
         processor.bias = bias[rows]
         lr = cosine_learning_rate(step, config.steps, config.lr, config.warmup)
         loss = flow_matching_loss(transformer, x0, sigma, noise, text[rows])
-        losses.append(_optimizer_step(optimizer, list(transformer.parameters()), loss, lr))
+        losses.append(_optimizer_step(optimizer, parameters, loss, lr))
         if average is not None:
-            decay = min(config.ema, (1 + step) / (10 + step))
-            with torch.no_grad():
-                for kept, parameter in zip(average, transformer.parameters()):
-                    kept.lerp_(parameter, 1 - decay)
+            average.update(parameters, step)
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
     if average is not None:
-        with torch.no_grad():
-            for kept, parameter in zip(average, transformer.parameters()):
-                parameter.copy_(kept)
+        average.copy_to(parameters)
     from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
     for block in transformer.blocks:  # the full-text attention the pipeline runs
