@@ -331,10 +331,15 @@ def file_hashes(directory: Path) -> dict[str, str]:
 
 def verify_manifest(directory: Path) -> dict[str, Any]:
     """The manifest of ``directory``, after checking that its files are exactly those it records,
-    byte for byte (SHA-256); a ``ValueError`` names each file that differs, is missing or is extra."""
+    byte for byte (SHA-256); a ``ValueError`` names each file that differs, is missing or is extra,
+    and the command the manifest records as having written them. Any trained tiny pipeline's
+    manifest (this module's, :mod:`.trained_flux`'s)."""
     path = directory / MANIFEST
     if not path.is_file():
-        raise ValueError(f"{directory}: no {MANIFEST}; expected a pipeline written by train_wan")
+        raise ValueError(
+            f"{directory}: no {MANIFEST}; expected a pipeline written by a training command "
+            "(python -m vllm_omni_mxfp4_tiny.trained_wan or .trained_flux)"
+        )
     manifest = json.loads(path.read_text())
     recorded, found = manifest.get("sha256", {}), file_hashes(directory)
     problems = [f"{name}: missing" for name in sorted(set(recorded) - set(found))]
@@ -345,9 +350,10 @@ def verify_manifest(directory: Path) -> dict[str, Any]:
         if found[name] != recorded[name]
     ]
     if problems:
+        command = manifest.get("command", "python -m vllm_omni_mxfp4_tiny.trained_wan")
         raise ValueError(
             f"{path}: the files do not match the manifest ({'; '.join(problems)}); rerun "
-            "`python -m vllm_omni_mxfp4_tiny.trained_wan` to write them again"
+            f"`{command}` to write them again"
         )
     return manifest
 
