@@ -307,4 +307,8 @@ def test_image_batches_are_seeded_renders_of_their_prompts():
     for image, index in zip(images, which):
         reading = read(((image + 1) / 2).permute(1, 2, 0).numpy())
         prompt = prompts[index]
-        assert (reading.colour, reading.shape, reading.position) == (prompt.colour, prompt.shape, prompt.position)
+        assert (reading.colour, reading.shape, reading.position) == (
+            prompt.colour,
+            prompt.shape,
+            prompt.position,
+        )
