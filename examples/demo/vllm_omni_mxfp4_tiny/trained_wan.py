@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 BOUNDARY_RATIO = 0.875
 """Wan2.2 T2V-A14B's switch from the high-noise expert (``transformer``) to the low-noise one."""
 
+COMMAND = "python -m vllm_omni_mxfp4_tiny.trained_wan"
+"""The command that trains the pipeline; its manifest records it (the demo tells trained models apart by it)."""
+
 MANIFEST = "TRAINING.json"
 """The file next to a trained pipeline: recipe, measured numbers, SHA-256 of every other file."""
 
@@ -350,7 +353,7 @@ def verify_manifest(directory: Path) -> dict[str, Any]:
         if found[name] != recorded[name]
     ]
     if problems:
-        command = manifest.get("command", "python -m vllm_omni_mxfp4_tiny.trained_wan")
+        command = manifest.get("command", COMMAND)
         raise ValueError(
             f"{path}: the files do not match the manifest ({'; '.join(problems)}); rerun "
             f"`{command}` to write them again"
@@ -455,7 +458,7 @@ def train_wan(out: Path, recipe: WanRecipe | None = None, *, progress: bool = Tr
 
     manifest = {
         "model": "tiny Wan2.2 T2V (two experts) trained on the synthetic task (vllm_omni_mxfp4_tiny.task)",
-        "command": "python -m vllm_omni_mxfp4_tiny.trained_wan",
+        "command": COMMAND,
         "recipe": _recipe_record(recipe),
         "configs": {
             "transformer": TRANSFORMER_CONFIG,
@@ -497,46 +500,28 @@ def _accuracy_record(accuracy: Any) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m vllm_omni_mxfp4_tiny.trained_wan``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m vllm_omni_mxfp4_tiny.trained_wan",
-        description="Train the tiny two-expert Wan2.2 T2V pipeline on the synthetic task, from fixed seeds.",
+    from . import training_command
+
+    return training_command.build_parser(
+        COMMAND,
+        "Train the tiny two-expert Wan2.2 T2V pipeline on the synthetic task, from fixed seeds.",
+        SHIPPED,
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Output directory (default: the shipped copy, vllm_omni_mxfp4_tiny/trained/wan22_t2v in the demo package).",
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="A few steps of every stage (a smoke run, not the shipped weights).",
-    )
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Train, write and summarize (the CLI)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.out is None and args.quick:
-        parser.error("--quick would overwrite the shipped weights; give --out")
-    args.out = args.out or SHIPPED
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    manifest = train_wan(args.out, quick_recipe() if args.quick else default_recipe())
-    metrics = manifest["metrics"]
-    evaluation = metrics["diffusers_fp32_eval"]
-    print(f"trained pipeline: {args.out}")
-    print(f"time: {manifest['seconds']} s")
-    print(f"VAE reconstruction PSNR: {metrics['vae_psnr_db']} dB; final losses: {metrics['final_loss']}")
-    for key in ("seen_prompts", "held_out_prompts"):
-        record = evaluation[key]
-        print(
-            f"prompt accuracy, {key.replace('_', ' ')} x seeds {evaluation['seeds']}: {record['prompt_accuracy']:.1%} of {record['videos']} videos; {record['per_attribute']}"
-        )
-    size = sum((args.out / name).stat().st_size for name in manifest["sha256"])
-    print(f"{len(manifest['sha256'])} files, {size / 2**20:.1f} MiB, SHA-256 in {args.out / MANIFEST}")
-    return 0
+    from . import training_command
+
+    return training_command.main(
+        build_parser(),
+        argv,
+        shipped=SHIPPED,
+        train=train_wan,
+        recipes=(default_recipe, quick_recipe),
+        unit="video",
+        manifest_name=MANIFEST,
+    )
 
 
 if __name__ == "__main__":
