@@ -64,6 +64,10 @@ def _trained_wan_parser() -> argparse.ArgumentParser:
     return importlib.import_module("vllm_omni_mxfp4_tiny.trained_wan").build_parser()
 
 
+def _trained_flux_parser() -> argparse.ArgumentParser:
+    return importlib.import_module("vllm_omni_mxfp4_tiny.trained_flux").build_parser()
+
+
 PROGRAMS: tuple[Program, ...] = (
     Program(
         "vllm-omni-mxfp4",
@@ -91,6 +95,12 @@ PROGRAMS: tuple[Program, ...] = (
         "python -m vllm_omni_mxfp4_tiny.trained_wan",
         _trained_wan_parser,
         "Trains the tiny two-expert Wan2.2 on the synthetic task (vllm_omni_mxfp4_tiny/task.py) and writes "
+        "it with a manifest of its recipe, measured numbers and SHA-256s; in the demo's package.",
+    ),
+    Program(
+        "python -m vllm_omni_mxfp4_tiny.trained_flux",
+        _trained_flux_parser,
+        "Trains the tiny FLUX.1-dev text-to-image pipeline on the synthetic task's still images and writes "
         "it with a manifest of its recipe, measured numbers and SHA-256s; in the demo's package.",
     ),
 )

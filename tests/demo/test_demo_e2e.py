@@ -157,7 +157,7 @@ def trained_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("trained") / "out"
     argv = ["-m", "vllm_omni_mxfp4_demo", "--modes", "naive-w4a4,nvfp4,offline", "--out", str(out)]
     # The demo's own video is the set's first request, which the engine renders again in a batch.
-    argv += ["--prompt", accuracy.requests()[0][0].text]
+    argv += ["--prompt", accuracy.VIDEO.requests()[0][0].text]
     log = out.parent / "demo.log"
     run_bounded(argv, timeout=900, env=subprocess_env(), log=log)
     return out, log.read_text(), json.loads((out / "results.json").read_text())
@@ -174,7 +174,7 @@ def test_trained_model_runs_by_default_with_prompt_accuracy(trained_run):
     assert list(modes) == ["bf16", "naive-w4a4", "offline", "nvfp4"]
     assert not any(m.get("error") for m in modes.values())
     for m in modes.values():
-        assert m["accuracy"]["seen"]["videos"] == 8 and m["accuracy"]["held_out"]["videos"] == 4
+        assert m["accuracy"]["seen"]["outputs"] == 8 and m["accuracy"]["held_out"]["outputs"] == 4
     assert "accuracy seen" in text and "accuracy held-out" in text
 
 
@@ -233,3 +233,68 @@ def test_nvfp4_mode_serves_the_compressed_tensors_copy_requantized(trained_run):
     for t in nvfp4["transformers"]:
         assert t["nvfp4"], t["name"]  # the load-time requantization's records
         assert {e["method"] for e in t["linears"]} == {"mxfp4"}
+
+
+@pytest.fixture(scope="module")
+def flux_run(tmp_path_factory):
+    """The demo with --model on the trained tiny FLUX.1-dev it ships: BF16 (the reference), online mxfp4
+    and the bad configuration, each with the image prompt-accuracy set; offline asked for too, which the
+    demo skips (its exports are made for Wan2.2 only)."""
+    from vllm_omni_mxfp4_tiny import trained_flux
+
+    out = tmp_path_factory.mktemp("flux") / "out"
+    argv = ["-m", "vllm_omni_mxfp4_demo", "--model", str(trained_flux.SHIPPED)]
+    argv += ["--modes", "mxfp4,naive-w4a4,offline", "--out", str(out)]
+    log = out.parent / "demo.log"
+    run_bounded(argv, timeout=900, env=subprocess_env(), log=log)
+    return out, log.read_text(), json.loads((out / "results.json").read_text())
+
+
+def test_the_trained_image_model_gets_the_table_through_the_model_option(flux_run):
+    """Its own defaults (32x32, 20 steps, distilled guidance 3), one PNG per mode, the strip, prompt
+    accuracy per mode, and BF16 drawing what it is prompted on the seen prompts through vLLM-Omni's own
+    FluxPipeline."""
+    from vllm_omni_mxfp4_demo.accuracy import IMAGE
+    from vllm_omni_mxfp4_tiny import trained_flux
+
+    out, text, results = flux_run
+    assert "offline skipped: the demo makes its msModelSlim exports and NVFP4 copy for Wan2.2 only" in text
+    assert results["settings"]["guidance_scale"] == trained_flux.GUIDANCE
+    modes = {m["mode"]: m for m in results["modes"]}
+    assert list(modes) == ["bf16", "mxfp4", "naive-w4a4"]
+    assert not any(m.get("error") for m in modes.values())
+    for name, m in modes.items():
+        assert m["accuracy"]["seen"]["outputs"] == IMAGE.seen and m["accuracy"]["held_out"]["outputs"] == 4
+        assert set(m["accuracy"]["seen"]["per_attribute"]) == {"colour", "shape", "position", "background"}
+        with Image.open(out / f"{name}.png") as image:
+            assert image.size == (256, 256)  # 32 px enlarged x8
+        frames = np.load(out / "runs" / name / "frames_0.npy")
+        assert frames.shape == (1, trained_flux.HEIGHT, trained_flux.WIDTH, 3)
+    assert modes["bf16"]["accuracy"]["seen"]["accuracy"] >= 0.8
+    with Image.open(out / "frames_strip.png") as strip:
+        assert strip.size[1] == 3 * (96 + 4)  # one row per mode
+    assert "accuracy seen" in (out / "results.md").read_text()
+
+
+def test_the_image_models_single_stream_block_is_what_the_methods_quantize(flux_run):
+    """BF16 builds the single-stream block's fused QKV, proj_mlp and proj_out with the quantization
+    slot left BF16, mxfp4 quantizes exactly those (the modulation Linears, built with no quantization
+    config, stay BF16), and the bad configuration adds W4A4 on FLUX's plain Linears (the time,
+    guidance and text embedders, x_embedder, context_embedder, proj_out) — and costs quality against
+    mxfp4."""
+    _, _, results = flux_run
+    modes = {m["mode"]: m for m in results["modes"]}
+    block = "single_transformer_blocks.0."
+    wanted = {f"{block}attn.to_qkv", f"{block}proj_mlp", f"{block}proj_out"}
+    for name, method in (("bf16", "bf16"), ("mxfp4", "mxfp4")):
+        (report,) = modes[name]["transformers"]
+        methods = {e["layer"]: e["method"] for e in report["linears"]}
+        assert wanted <= set(methods) and {methods[w] for w in wanted} == {method}, (name, methods)
+        assert {m for layer, m in methods.items() if layer not in wanted} <= {"bf16"}, (name, methods)
+    plain = set(modes["naive-w4a4"]["naive_w4a4"]["transformer"])
+    embedders = {
+        f"time_text_embed.{e}_embedder.linear_{i}" for e in ("timestep", "guidance", "text") for i in (1, 2)
+    }
+    assert plain == embedders | {"x_embedder", "context_embedder", "proj_out"}
+    assert not any(name.startswith(block) for name in plain)
+    assert modes["naive-w4a4"]["psnr"] < modes["mxfp4"]["psnr"]

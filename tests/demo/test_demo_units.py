@@ -167,8 +167,8 @@ def test_table_rows():
 def test_table_rows_add_prompt_accuracy_when_a_mode_was_scored():
     base = {"psnr": 30.0, "cosine": 0.99, "weight_bytes": report.MIB, "backend_bytes": 0, "load_s": 1.0}
     scored = {
-        "seen": {"videos": 24, "accuracy": 0.875, "per_attribute": {}},
-        "held_out": {"videos": 12, "accuracy": 0.25, "per_attribute": {}},
+        "seen": {"outputs": 24, "accuracy": 0.875, "per_attribute": {}},
+        "held_out": {"outputs": 12, "accuracy": 0.25, "per_attribute": {}},
     }
     results = [
         {"mode": "bf16", **base, "gen_s": 1.0, "accuracy": scored},
@@ -184,32 +184,62 @@ def test_table_rows_add_prompt_accuracy_when_a_mode_was_scored():
 
 
 def test_a_trained_model_takes_the_tasks_defaults_and_explicit_flags_win(tmp_path):
-    args = modes.build_parser().parse_args(["--model", str(tmp_path), "--steps", "3", "--seed", "0"])
-    size = modes.resolve_defaults(args, trained=True)
-    assert size == {**{k: modes.TRAINED_DEFAULTS[k] for k in modes.SIZE_KEYS}, "steps": 3}
-    assert args.seed == 0 and args.prompt == modes.TRAINED_DEFAULTS["prompt"] and args.negative_prompt == ""
-    from vllm_omni_mxfp4_tiny.task import VideoPrompt
+    from vllm_omni_mxfp4_demo.trained import FLUX, WAN
+    from vllm_omni_mxfp4_tiny.task import ImagePrompt, VideoPrompt
 
+    args = modes.build_parser().parse_args(["--model", str(tmp_path), "--steps", "3", "--seed", "0"])
+    size = modes.resolve_defaults(args, WAN)
+    assert size == {**{k: WAN.defaults[k] for k in modes.SIZE_KEYS}, "steps": 3}
+    assert args.seed == 0 and args.prompt == WAN.defaults["prompt"] and args.negative_prompt == ""
     assert not VideoPrompt.parse(args.prompt).held_out  # a prompt the model was trained on
+    args = modes.build_parser().parse_args(["--model", str(tmp_path)])
+    assert modes.resolve_defaults(args, FLUX) == {k: FLUX.defaults[k] for k in modes.SIZE_KEYS}
+    assert (
+        not ImagePrompt.parse(args.prompt).held_out and args.guidance_scale == FLUX.defaults["guidance_scale"]
+    )
     args = modes.build_parser().parse_args([])  # the shipped trained model
-    assert modes.resolve_defaults(args, trained=True)["num_frames"] == modes.TRAINED_DEFAULTS["num_frames"]
+    assert modes.resolve_defaults(args, WAN)["num_frames"] == WAN.defaults["num_frames"]
     args = modes.build_parser().parse_args(["--random-weights"])
-    assert modes.resolve_defaults(args, trained=False)["height"] == modes.TINY_DEFAULTS["height"]
+    assert modes.resolve_defaults(args, None)["height"] == modes.TINY_DEFAULTS["height"]
     assert args.guidance_scale == modes.TINY_DEFAULTS["guidance_scale"]
     args = modes.build_parser().parse_args(["--model", str(tmp_path)])
-    assert modes.resolve_defaults(args, trained=False)["num_frames"] == modes.MODEL_DEFAULTS["num_frames"]
+    assert modes.resolve_defaults(args, None)["num_frames"] == modes.MODEL_DEFAULTS["num_frames"]
+
+
+def _manifested(directory, command):
+    from vllm_omni_mxfp4_tiny.trained_wan import MANIFEST, file_hashes
+
+    (directory / "model_index.json").write_text("{}")
+    (directory / MANIFEST).write_text(json.dumps({"command": command, "sha256": file_hashes(directory)}))
+    return directory
+
+
+def test_trained_models_are_told_apart_by_their_manifests_command(tmp_path):
+    from vllm_omni_mxfp4_demo.trained import FLUX, WAN, trained_model
+    from vllm_omni_mxfp4_tiny import trained_flux, trained_wan
+
+    assert trained_model(trained_wan.SHIPPED) is WAN and trained_model(trained_flux.SHIPPED) is FLUX
+    assert trained_model(tmp_path) is None  # no manifest: not a trained tiny pipeline
+    assert trained_model(_manifested(tmp_path, FLUX.command)) is FLUX
+    _manifested(tmp_path, "python train_mine.py")
+    with pytest.raises(
+        ValueError, match=r"TRAINING.json: command 'python train_mine.py' is none of the demo"
+    ):
+        trained_model(tmp_path)
+    (tmp_path / "TRAINING.json").write_text("[1, 2")
+    with pytest.raises(ValueError, match=r"TRAINING.json: not a training manifest"):
+        trained_model(tmp_path)
 
 
 def test_a_trained_model_whose_files_changed_exits_2(tmp_path, capsys):
-    from vllm_omni_mxfp4_tiny.trained_wan import MANIFEST, file_hashes
+    from vllm_omni_mxfp4_demo.trained import WAN
 
-    (tmp_path / "model_index.json").write_text("{}")
-    (tmp_path / MANIFEST).write_text(json.dumps({"sha256": file_hashes(tmp_path)}))
-    assert main.is_trained(tmp_path)
+    _manifested(tmp_path, WAN.command)
     (tmp_path / "model_index.json").write_text('{"changed": true}')
     assert main.main(["--model", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert f"--model {tmp_path}" in err and "model_index.json: SHA-256" in err
+    assert f"rerun `{WAN.command}`" in err
 
 
 def test_random_weights_and_a_model_together_exit_2(tmp_path, capsys):

@@ -48,10 +48,11 @@ from vllm_omni_mxfp4_tiny.engine_job import Job, model_boundary_ratio
 from vllm_omni_mxfp4_tiny.runner import RunFailed, run_engine_job
 from vllm_omni_mxfp4_tiny.trained_wan import MANIFEST, SHIPPED, verify_manifest
 
-from . import accuracy, nvfp4_quality, report
+from . import nvfp4_quality, report
 from .media import video_frames
 from .modes import PROG, Mode, build_parser, parallel_kwargs, resolve_defaults
 from .offline import SAME_CHECKPOINT, nvfp4_checkpoint, offline_checkpoint, recipe_checkpoint
+from .trained import TrainedModel, trained_model
 
 
 class Progress:
@@ -73,6 +74,7 @@ class DemoRun:
     out: Path
     modes: list[Mode]
     size: dict[str, int]  # height, width, num_frames, steps
+    trained: TrainedModel | None = None  # the kind of trained tiny pipeline the model is, if it is one
     offline_model: Path | None = None
     recipe_models: dict[str, Path] = field(default_factory=dict)  # mode name -> merged checkpoint
     nvfp4_model: Path | None = None
@@ -87,9 +89,10 @@ def _error(message: str) -> int:
     return 2
 
 
-def _model(args: argparse.Namespace, progress: Progress) -> Path | int:
-    """The pipeline directory to run, or exit status 2: ``--model``, else the trained tiny Wan2.2 the
-    demo distribution ships, or with ``--random-weights`` the random-weight one (built on first use)."""
+def _model(args: argparse.Namespace, progress: Progress) -> tuple[Path, TrainedModel | None] | int:
+    """The pipeline directory to run and the kind of trained tiny pipeline it is (None: not one), or
+    exit status 2: ``--model``, else the trained tiny Wan2.2 the demo distribution ships, or with
+    ``--random-weights`` the random-weight one (built on first use)."""
     if args.random_weights:
         from vllm_omni_mxfp4_tiny import build_tiny_wan
 
@@ -102,7 +105,7 @@ def _model(args: argparse.Namespace, progress: Progress) -> Path | int:
         )
         model = build_tiny_wan(2)
         progress.say(f"model: {model}")
-        return model
+        return model, None
     if args.model is None:
         model = SHIPPED
         if not (model / MANIFEST).is_file():
@@ -118,27 +121,40 @@ def _model(args: argparse.Namespace, progress: Progress) -> Path | int:
         return _error(f"--model {model}: not a diffusers pipeline directory (no model_index.json)")
     if args.quant_path is not None and not Path(args.quant_path).expanduser().is_dir():
         return _error(f"--quant-path {args.quant_path}: no such directory")
-    if is_trained(model):
-        try:
+    try:
+        trained = trained_model(model)
+        if trained is not None:
             verify_manifest(model)
-        except ValueError as exc:
-            return _error(f"--model {model}: {exc}")
-        progress.say(
-            f"model: a trained tiny Wan2.2 ({model / MANIFEST}): task defaults, prompt accuracy scored"
-        )
-    return model
-
-
-def is_trained(model: Path) -> bool:
-    """Whether ``model`` is a trained tiny Wan2.2 (it carries the training manifest): the task's
-    generation defaults apply and prompt accuracy is scored."""
-    return (model / MANIFEST).is_file()
+    except ValueError as exc:
+        return _error(f"--model {model}: {exc}")
+    if trained is not None:
+        progress.say(f"model: {trained.label} ({model / MANIFEST}): task defaults, prompt accuracy scored")
+    return model, trained
 
 
 def _own_exports(run: DemoRun) -> bool:
-    """Whether the demo makes the msModelSlim exports itself: for the tiny models (embedded or trained),
-    which msModelSlim quantizes on the CPU in seconds."""
-    return run.args.random_weights or is_trained(run.model)
+    """Whether the demo makes the msModelSlim exports itself: for the tiny Wan2.2 models (random or
+    trained), which msModelSlim quantizes on the CPU in seconds."""
+    return run.args.random_weights or (run.trained is not None and run.trained.wan_exports)
+
+
+def _wan_only_step(run: DemoRun, progress: Progress) -> None:
+    """Drop the modes whose checkpoints the demo makes for Wan2.2 only (its msModelSlim exports, the
+    shipped Wan2.2 recipes, the NVFP4 copy) when the model is another trained tiny pipeline; the
+    offline mode stays when ``--quant-path`` gives an export to merge."""
+    if run.trained is None or run.trained.wan_exports:
+        return
+    skipped = [
+        m.name
+        for m in run.modes
+        if m.recipe is not None or m.nvfp4 or (m.offline and run.args.quant_path is None)
+    ]
+    if skipped:
+        progress.say(
+            f"{', '.join(skipped)} skipped: the demo makes its msModelSlim exports and NVFP4 copy for "
+            f"Wan2.2 only, and the model is {run.trained.label}"
+        )
+        run.modes = [m for m in run.modes if m.name not in skipped]
 
 
 def _offline_step(run: DemoRun, progress: Progress) -> None:
@@ -154,7 +170,7 @@ def _offline_step(run: DemoRun, progress: Progress) -> None:
     quant_path = None if _own_exports(run) else Path(run.args.quant_path).expanduser().absolute()
     try:
         run.offline_model = offline_checkpoint(
-            run.model, quant_path, run.out, progress.say, calibrate=is_trained(run.model)
+            run.model, quant_path, run.out, progress.say, calibrate=run.trained is not None
         )
     except Exception as exc:  # the other modes still run; the summary reports this one
         run.failed_early["offline"] = f"offline step failed: {type(exc).__name__}: {exc}"
@@ -224,7 +240,7 @@ def _job(run: DemoRun, mode: Mode, kwargs: dict[str, Any]) -> Job:
         guidance_scale_2=run.args.guidance_scale_2,
         boundary_ratio=model_boundary_ratio(run.model),
         report=True,
-        evaluation=accuracy.job_requests(run.args.accuracy_seeds) if is_trained(run.model) else [],
+        evaluation=run.trained.accuracy.job_requests(run.args.accuracy_seeds) if run.trained else [],
         naive_w4a4=mode.naive_w4a4,
         **run.size,
     )
@@ -272,10 +288,10 @@ def _run_mode(run: DemoRun, mode: Mode, tag: str, progress: Progress) -> None:
     if "naive_w4a4" in result:  # the plain Linears the bad configuration made W4A4, per transformer
         entry["naive_w4a4"] = result["naive_w4a4"]
     run.frames[mode.name] = video_frames(np.load(Path(job.out) / "frames_0.npy"))
-    if job.evaluation:
-        videos = np.load(Path(job.out) / "evaluation.npy")
-        entry["accuracy"] = accuracy.score(
-            np.stack([video_frames(v) for v in videos]), run.args.accuracy_seeds
+    if job.evaluation and run.trained is not None:
+        outputs = np.load(Path(job.out) / "evaluation.npy")
+        entry["accuracy"] = run.trained.accuracy.score(
+            np.stack([video_frames(v) for v in outputs]), run.args.accuracy_seeds
         )
         entry["evaluation_s"] = result["evaluation_s"]
     if len(job.seeds) > 1:
@@ -299,8 +315,10 @@ def _same_engine_run(run: DemoRun, mode: Mode, kwargs: dict[str, Any]) -> dict[s
 
 def _run_modes(run: DemoRun, progress: Progress) -> None:
     size = run.size
+    image = run.trained is not None and run.trained.accuracy.kind == "image"
+    what = "an image" if image else f"{size['num_frames']} frames"
     progress.say(
-        f"generating {size['num_frames']} frames of {size['width']}x{size['height']}, {size['steps']} steps, "
+        f"generating {what} of {size['width']}x{size['height']}, {size['steps']} steps, "
         f"seed {run.args.seed}, prompt {run.args.prompt!r}, in {len(run.modes)} modes (one engine process "
         f"each; logs under {run.out / 'runs'})"
     )
@@ -336,13 +354,15 @@ def _finish(run: DemoRun, progress: Progress) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the demo the parsed command line describes; returns the exit status."""
     progress = Progress()
-    model = _model(args, progress)
-    if isinstance(model, int):
-        return model
-    size = resolve_defaults(args, is_trained(model))
+    found = _model(args, progress)
+    if isinstance(found, int):
+        return found
+    model, trained = found
+    size = resolve_defaults(args, trained)
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
-    demo = DemoRun(args, model, out, list(args.modes), size)
+    demo = DemoRun(args, model, out, list(args.modes), size, trained=trained)
+    _wan_only_step(demo, progress)
     _offline_step(demo, progress)
     _recipe_step(demo, progress)
     _nvfp4_step(demo, progress)

@@ -12,25 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_omni_mxfp4_tiny import trained_wan
-from vllm_omni_mxfp4_tiny.task import TRAINING_SEEDS
+from .accuracy import IMAGE, VIDEO
+from .trained import FLUX, WAN, TrainedModel
 
 PROG = "python -m vllm_omni_mxfp4_demo"
 DEFAULT_OUT = "outputs/demo"
-#: Generation defaults. A trained tiny Wan2.2 (a pipeline directory with the training manifest,
-#: vllm_omni_mxfp4_tiny.trained_wan) runs as its training evaluated it: a prompt it was trained on, a
-#: seed training never used, the empty negative prompt it learned as the unconditional branch.
-TRAINED_DEFAULTS: dict[str, Any] = {
-    "height": trained_wan.HEIGHT,
-    "width": trained_wan.WIDTH,
-    "num_frames": trained_wan.NUM_FRAMES,
-    "steps": trained_wan.EVAL_STEPS,
-    "prompt": "a red bar moving right quickly on a black background",
-    "negative_prompt": "",
-    "seed": TRAINING_SEEDS,
-    "guidance_scale": trained_wan.EVAL_GUIDANCE,
-    "guidance_scale_2": trained_wan.EVAL_GUIDANCE_2,
-}
+#: Generation defaults. A trained tiny pipeline (a directory with a training manifest) runs with its
+#: own (vllm_omni_mxfp4_demo.trained: a prompt it was trained on, a seed training never used).
 #: --random-weights: the embedded tiny pipeline with random weights.
 TINY_DEFAULTS: dict[str, Any] = {
     "height": 64,
@@ -48,11 +36,11 @@ MODEL_DEFAULTS: dict[str, Any] = {**TINY_DEFAULTS, "height": 480, "width": 832, 
 SIZE_KEYS = ("height", "width", "num_frames", "steps")
 
 
-def resolve_defaults(args: argparse.Namespace, trained: bool) -> dict[str, int]:
+def resolve_defaults(args: argparse.Namespace, trained: TrainedModel | None) -> dict[str, int]:
     """Fill every generation option left unset on ``args`` with the defaults of its model (``trained``:
-    a trained tiny Wan2.2); returns the size keys the engine jobs take."""
-    if trained:
-        defaults = TRAINED_DEFAULTS
+    the kind of trained tiny pipeline it is, if it is one); returns the size keys the engine jobs take."""
+    if trained is not None:
+        defaults = trained.defaults
     else:
         defaults = TINY_DEFAULTS if args.random_weights else MODEL_DEFAULTS
     for key, value in defaults.items():
@@ -206,14 +194,17 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="A diffusers Wan2.2 text-to-video pipeline directory. Default: the trained tiny two-expert "
         "pipeline the demo ships (vllm_omni_mxfp4_tiny/trained/wan22_t2v). A trained tiny pipeline (its "
-        "TRAINING.json is checked) runs with the task's defaults and adds prompt accuracy.",
+        "TRAINING.json is checked) runs with the task's defaults and adds prompt accuracy: the shipped "
+        "Wan2.2, or the shipped FLUX.1-dev text-to-image one (vllm_omni_mxfp4_tiny/trained/flux1_dev_t2i; "
+        "its offline, recipe and nvfp4 modes are skipped: the demo makes those exports for Wan2.2 only).",
     )
     parser.add_argument(
         "--accuracy-seeds",
         type=positive_int,
         default=1,
         help="Seeds per prompt of the prompt-accuracy set a trained tiny model generates in every mode "
-        "(8 seen and 4 held-out prompts; default 1, about 2 s a video in a quantized mode on two cores).",
+        f"({VIDEO.seen} seen and {VIDEO.held_out} held-out prompts for the Wan2.2, {IMAGE.seen} and "
+        f"{IMAGE.held_out} for the FLUX.1-dev; default 1).",
     )
     parser.add_argument(
         "--random-weights",
@@ -238,7 +229,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _default_help(key: str) -> str:
     return (
-        f"a trained tiny model (the default): {TRAINED_DEFAULTS[key]!r}, --random-weights: "
+        f"the trained tiny Wan2.2 (the default): {WAN.defaults[key]!r}, the trained tiny FLUX.1-dev: "
+        f"{FLUX.defaults[key]!r}, --random-weights: "
         f"{TINY_DEFAULTS[key]!r}, another --model: {MODEL_DEFAULTS[key]!r}"
     )
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from vllm_omni_mxfp4.inspection.engine import LoadedTransformer
 
-from .media import frame_strip, upscale, write_video
+from .media import frame_strip, to_uint8, upscale, write_video
 from .metrics import cosine, psnr
 
 MIB = 1024 * 1024
@@ -35,7 +35,7 @@ class Summary:
     settings: dict[str, Any]
     results: list[dict[str, Any]]
     other_seed: dict[str, Any] | None = None
-    videos: dict[str, Path] = field(default_factory=dict)
+    videos: dict[str, Path] = field(default_factory=dict)  # mode -> its video (or image) file
     strip: Path | None = None
     nvfp4_quality: list[dict[str, Any]] | None = None
 
@@ -61,7 +61,7 @@ def _accuracy_cells(entry: dict[str, Any]) -> list[str]:
     if scored is None:
         return ["n/a", "n/a"]
     return [
-        f"{_fmt(100 * scored[key]['accuracy'], '.0f')}% of {scored[key]['videos']}"
+        f"{_fmt(100 * scored[key]['accuracy'], '.0f')}% of {scored[key]['outputs']}"
         for key in ("seen", "held_out")
     ]
 
@@ -130,15 +130,23 @@ def other_seed(reference: np.ndarray | None, frames: np.ndarray | None, seed: in
 
 
 def write_media(summary: Summary, frames_by_mode: dict[str, np.ndarray]) -> None:
-    """One video per mode (enlarged to at least 256 pixels) and a strip of frames of every mode."""
+    """One video per mode (a PNG where the output is one image; enlarged to at least 256 pixels) and a
+    strip of frames of every mode."""
+    from PIL import Image
+
     for entry in summary.results:
         frames = frames_by_mode.get(entry["mode"])
         if frames is None:
             continue
         factor = max(1, -(-256 // min(frames.shape[1:3])))
-        path = write_video(upscale(frames, factor), summary.out / f"{entry['mode']}.mp4", fps=FPS)
+        if frames.shape[0] == 1:
+            path = summary.out / f"{entry['mode']}.png"
+            Image.fromarray(to_uint8(upscale(frames[0], factor))).save(path)
+            entry["image"] = str(path)
+        else:
+            path = write_video(upscale(frames, factor), summary.out / f"{entry['mode']}.mp4", fps=FPS)
+            entry["video"] = str(path)
         summary.videos[entry["mode"]] = path
-        entry["video"] = str(path)
     if frames_by_mode:
         summary.strip = frame_strip(list(frames_by_mode.items()), summary.out / "frames_strip.png")
 
@@ -160,17 +168,21 @@ def legend(summary: Summary) -> list[str]:
         "BF16 Linear weights that vLLM's CPU GEMM moved into oneDNN count as N x K x 2 bytes.",
         "+backend MiB: working buffers of the MXFP4 backend on top (the emulated backend caches dequantized "
         "weights for speed; VLLM_OMNI_MXFP4_EMULATED_CACHE=0 turns that off).",
-        "start s: Omni(...) construction (load, quantize, warm-up); gen s: omni.generate for one video.",
-    ] + (
-        [
-            "accuracy seen / held-out: share of the fixed prompt-accuracy set's videos (task prompts the model "
-            "was trained on / prompts with colour x shape pairs it never saw, each with seeds training never "
-            "used) in which the detector with no learned weights reads every attribute as prompted: colour, "
-            "shape, direction, speed, background (vllm_omni_mxfp4_tiny.detect)."
-        ]
-        if any(r.get("accuracy") for r in summary.results)
-        else []
-    )
+        "start s: Omni(...) construction (load, quantize, warm-up); gen s: omni.generate for one output.",
+    ] + _accuracy_legend(summary.results)
+
+
+def _accuracy_legend(results: list[dict[str, Any]]) -> list[str]:
+    scored = next((r["accuracy"] for r in results if r.get("accuracy")), None)
+    if scored is None:
+        return []
+    attributes = ", ".join(scored["seen"]["per_attribute"]) or "every attribute the prompt names"
+    return [
+        "accuracy seen / held-out: share of the fixed prompt-accuracy set's outputs (task prompts the model "
+        "was trained on / prompts with colour x shape pairs it never saw, each with seeds training never "
+        "used) in which the detector with no learned weights reads every attribute as prompted: "
+        f"{attributes} (vllm_omni_mxfp4_tiny.detect)."
+    ]
 
 
 def _write_files(summary: Summary, rows: list[list[str]], notes: list[str]) -> None:
@@ -217,7 +229,7 @@ def _print_console(summary: Summary, rows: list[list[str]], notes: list[str]) ->
     if summary.strip is not None:
         print(f"  frames strip: {summary.strip}")
     for name, path in summary.videos.items():
-        print(f"  video {name}: {path}")
+        print(f"  {'image' if path.suffix == '.png' else 'video'} {name}: {path}")
     print(f"  numbers: {summary.out / 'results.json'}, {summary.out / 'results.md'}")
 
 
