@@ -372,3 +372,24 @@ def test_a_recipe_that_shares_a_checkpoint_reuses_its_run(tmp_path):
     assert _same_engine_run(run(), f8, {"quantization": "mxfp4"}) is None
     assert _same_engine_run(run(entry={"error": "engine died"}), f8, {}) is None
     assert _same_engine_run(run(models={"wan-w4a4f8": tmp_path / "other"}), f8, {}) is None
+
+
+def test_tiny_models_run_two_engines_at_a_time_with_a_share_of_the_cores_each(monkeypatch, tmp_path):
+    from vllm_omni_mxfp4_demo.trained import WAN
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(main.os, "sched_getaffinity", lambda pid: {0, 1})
+
+    def engines(argv, trained):
+        args = modes.build_parser().parse_args(argv)
+        return main._engines(args, main.DemoRun(args, tmp_path, tmp_path, [], {}, trained=trained))
+
+    count, env = engines([], WAN)  # the shipped trained model
+    assert count == 2 and env["OMP_NUM_THREADS"] == "1" and env["PATH"] == main.os.environ["PATH"]
+    assert engines(["--random-weights"], None)[0] == 2
+    assert engines(["--model", str(tmp_path)], None) == (1, None)  # a real model: one engine, every core
+    monkeypatch.setattr(main.os, "sched_getaffinity", lambda pid: set(range(8)))
+    count, env = engines(["--engines", "3"], WAN)
+    assert count == 3 and env["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's choice stands
+    assert engines([], WAN) == (2, None)

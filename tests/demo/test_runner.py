@@ -160,3 +160,51 @@ def test_a_failing_hosted_job_reports_its_exit_status_and_traceback_and_the_host
         host.close()
     assert host.proc.returncode == 0 and not host.dir.exists()
     host.close()  # again (the exit handler does): a no-op, no descriptor closed twice
+
+
+def test_commands_running_in_other_threads_are_ended_on_request(tmp_path):
+    """What an interrupted caller of several run_bounded at once does: every one fails with its exit
+    status, and their groups (a child each) are gone."""
+    import threading
+
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    errors: list[BaseException] = []
+
+    def run(name: str) -> None:
+        try:
+            runner.run_bounded(
+                ["-c", script], timeout=120, env=dict(os.environ), log=tmp_path / f"{name}.log"
+            )
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in "ab"]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while len(runner._RUNNING) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    groups = set(runner._RUNNING)
+    assert len(groups) == 2
+    runner.end_running_commands()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(errors) == 2 and all(isinstance(e, runner.RunFailed) for e in errors), errors
+    assert all("exited with" in e.reason for e in errors)
+    assert not runner._RUNNING
+    for pgid in groups:
+        assert not [p for p in psutil.process_iter() if _pgid(p) == pgid and _alive(p)]
+
+
+def _pgid(process):
+    try:
+        return os.getpgid(process.pid)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return None
+
+
+def _alive(process):
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE  # a zombie has ended; its parent reaps it
+    except psutil.NoSuchProcess:
+        return False

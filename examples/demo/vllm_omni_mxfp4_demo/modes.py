@@ -294,6 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_parallel_arguments(parser)
     parser.add_argument(
+        "--engines",
+        type=positive_int,
+        default=None,
+        help="Engines (one per mode) that run at once, each with its share of the cores as OMP_NUM_THREADS "
+        "(default: 2 for the tiny models, whose small matrix products run faster on one thread each; 1 "
+        "for another --model).",
+    )
+    parser.add_argument(
         "--timeout",
         type=positive_int,
         default=1800,

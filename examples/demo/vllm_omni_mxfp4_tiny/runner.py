@@ -8,7 +8,7 @@ engines, servers and documentation blocks through the same two functions.
 
 :func:`run_engine_job` runs :mod:`vllm_omni_mxfp4_tiny.engine_job` (one ``Omni``, its frames
 saved) as such a command and returns what the job reported. By default the job is forked from a warm
-:mod:`~vllm_omni_mxfp4_tiny.engine_host` (one per environment, started on first use, ended when this
+:mod:`~vllm_omni_mxfp4_tiny.engine_host` (one per environment, one more for each job that runs while the others are busy, started on first use, ended when this
 process exits), which saves the ~12 s that importing vLLM-Omni costs every fresh process; the job
 still gets a process, a session and a log of its own, so deadlines and reaping work the same.
 """
@@ -116,6 +116,21 @@ def reap_group(
     return leftover
 
 
+#: Process groups of the commands :func:`run_bounded` runs now, in any thread.
+_RUNNING: set[int] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+def end_running_commands() -> None:
+    """SIGTERM every command :func:`run_bounded` runs now, in any thread: each ``run_bounded`` then
+    fails with its exit status and reaps its group. For a caller that runs several at once and is
+    interrupted."""
+    with _RUNNING_LOCK:
+        groups = list(_RUNNING)
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGTERM)
+
+
 def run_bounded(
     args: Sequence[str],
     *,
@@ -131,7 +146,7 @@ def run_bounded(
     or (unless ``allow_leftovers``) leaves processes running after it exited. An interrupt
     (Ctrl-C, SIGTERM turned into SystemExit) ends the group on the way out. With ``hosted``, a
     ``-m`` command of :data:`~vllm_omni_mxfp4_tiny.engine_host.HOSTED_MODULES` is forked from the
-    warm host of ``env`` where there is one (:func:`engine_host`), else it starts fresh.
+    free warm host of ``env`` where there is one (:func:`engine_hosts`), else it starts fresh.
     """
     with open(log, "wb") as out:
         proc: subprocess.Popen | HostedProcess | None = _start_hosted(args, env, log) if hosted else None
@@ -144,12 +159,16 @@ def run_bounded(
                 start_new_session=True,
             )
         timed_out = False
+        with _RUNNING_LOCK:
+            _RUNNING.add(proc.pid)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
             leftover = reap_group(proc)
+            with _RUNNING_LOCK:
+                _RUNNING.discard(proc.pid)
     command = " ".join(args[:2]) if args[0] == "-m" else args[0]
     if timed_out:
         raise RunFailed(command, f"did not finish within {timeout:.0f} s", log)
@@ -188,8 +207,10 @@ def run_engine_job(
 
 # ----------------------------------------------------------------------------- warm engine hosts
 
-#: At most this many hosts per process (one per distinct environment); other environments start fresh.
-MAX_HOSTS = 3
+#: At most this many hosts per process: one per distinct environment, and one more for an environment
+#: whose hosts are all busy (jobs run concurrently, as the demo's modes do); a job that finds none
+#: free starts fresh.
+MAX_HOSTS = 4
 #: How long a host may take to import what it preloads before its jobs start fresh instead.
 HOST_READY_TIMEOUT_S = 600.0
 
@@ -347,7 +368,7 @@ class EngineHost:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-_HOSTS: dict[tuple[tuple[str, str], ...], EngineHost] = {}
+_HOSTS: dict[tuple[tuple[str, str], ...], list[EngineHost]] = {}
 _HOSTS_LOCK = threading.Lock()
 
 
@@ -355,22 +376,37 @@ def _host_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, v) for k, v in env.items() if k not in LATE_VARIABLES))
 
 
-def engine_host(env: Mapping[str, str]) -> EngineHost | None:
-    """The warm host for ``env``, started now (in the background) if there is none yet; ``None`` once
-    :data:`MAX_HOSTS` hosts run for other environments. Jobs of ``env`` differing only in
-    :data:`~vllm_omni_mxfp4_tiny.engine_host.LATE_VARIABLES` share it."""
+def engine_hosts(env: Mapping[str, str]) -> list[EngineHost]:
+    """The warm hosts for ``env``, the first one started now (in the background) if there is none
+    yet. Jobs of ``env`` differing only in :data:`~vllm_omni_mxfp4_tiny.engine_host.LATE_VARIABLES`
+    share them."""
     key = _host_key(env)
     with _HOSTS_LOCK:
-        host = _HOSTS.get(key)
-        if host is None and len(_HOSTS) < MAX_HOSTS:
-            host = _HOSTS[key] = EngineHost(dict(key))
+        hosts = _HOSTS.setdefault(key, [])
+        if not hosts and _host_count() < MAX_HOSTS:
+            hosts.append(EngineHost(dict(key)))
+        return list(hosts)
+
+
+def _another_host(env: Mapping[str, str]) -> EngineHost | None:
+    """One more host for ``env`` (its others are busy), while fewer than :data:`MAX_HOSTS` run."""
+    key = _host_key(env)
+    with _HOSTS_LOCK:
+        if _host_count() >= MAX_HOSTS:
+            return None
+        host = EngineHost(dict(key))
+        _HOSTS.setdefault(key, []).append(host)
         return host
+
+
+def _host_count() -> int:
+    return sum(len(hosts) for hosts in _HOSTS.values())
 
 
 def close_engine_hosts() -> None:
     """End every host this process started (also run when the process exits)."""
     with _HOSTS_LOCK:
-        hosts = list(_HOSTS.values())
+        hosts = [host for group in _HOSTS.values() for host in group]
         _HOSTS.clear()
     for host in hosts:
         host.close()
@@ -382,5 +418,9 @@ atexit.register(close_engine_hosts)
 def _start_hosted(args: Sequence[str], env: Mapping[str, str], log: Path) -> HostedProcess | None:
     if len(args) < 2 or args[0] != "-m" or args[1] not in HOSTED_MODULES:
         return None
-    host = engine_host(env)
+    for host in engine_hosts(env):
+        process = host.start(args[1], args[2:], log, env)
+        if process is not None:
+            return process
+    host = _another_host(env)
     return None if host is None else host.start(args[1], args[2:], log, env)
