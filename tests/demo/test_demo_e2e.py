@@ -238,13 +238,14 @@ def test_nvfp4_mode_serves_the_compressed_tensors_copy_requantized(trained_run):
 @pytest.fixture(scope="module")
 def flux_run(tmp_path_factory):
     """The demo with --model on the trained tiny FLUX.1-dev it ships: BF16 (the reference), online mxfp4
-    and the bad configuration, each with the image prompt-accuracy set; offline asked for too, which the
-    demo skips (its exports are made for Wan2.2 only)."""
+    and the bad configuration, each with the image prompt-accuracy set; offline and W4A8 by step asked
+    for too, which the demo skips (its exports are made for Wan2.2 only; vLLM-Omni's FLUX pipeline
+    publishes no denoising step)."""
     from vllm_omni_mxfp4_tiny import trained_flux
 
     out = tmp_path_factory.mktemp("flux") / "out"
     argv = ["-m", "vllm_omni_mxfp4_demo", "--model", str(trained_flux.SHIPPED)]
-    argv += ["--modes", "mxfp4,naive-w4a4,offline", "--out", str(out)]
+    argv += ["--modes", "mxfp4,naive-w4a4,mxfp4-w4a8,offline", "--out", str(out)]
     log = out.parent / "demo.log"
     run_bounded(argv, timeout=900, env=subprocess_env(), log=log)
     return out, log.read_text(), json.loads((out / "results.json").read_text())
@@ -259,6 +260,7 @@ def test_the_trained_image_model_gets_the_table_through_the_model_option(flux_ru
 
     out, text, results = flux_run
     assert "offline skipped: the demo makes its msModelSlim exports and NVFP4 copy for Wan2.2 only" in text
+    assert "mxfp4-w4a8 skipped: W4A8 by step needs the denoising step" in text
     assert results["settings"]["guidance_scale"] == trained_flux.GUIDANCE
     modes = {m["mode"]: m for m in results["modes"]}
     assert list(modes) == ["bf16", "mxfp4", "naive-w4a4"]

@@ -144,23 +144,36 @@ def _own_exports(run: DemoRun) -> bool:
     return run.args.random_weights or (run.trained is not None and run.trained.wan_exports)
 
 
-def _wan_only_step(run: DemoRun, progress: Progress) -> None:
-    """Drop the modes whose checkpoints the demo makes for Wan2.2 only (its msModelSlim exports, the
-    shipped Wan2.2 recipes, the NVFP4 copy) when the model is another trained tiny pipeline; the
-    offline mode stays when ``--quant-path`` gives an export to merge."""
-    if run.trained is None or run.trained.wan_exports:
+def _skip_unsupported(run: DemoRun, progress: Progress) -> None:
+    """Drop the modes a trained tiny pipeline other than Wan2.2 cannot run, each with its reason: the
+    checkpoints the demo makes for Wan2.2 only (its msModelSlim exports, the shipped Wan2.2 recipes,
+    the NVFP4 copy; the offline mode stays when ``--quant-path`` gives an export to merge), and W4A8
+    by step where the pipeline publishes no denoising step."""
+    trained = run.trained
+    if trained is None:
         return
-    skipped = [
-        m.name
-        for m in run.modes
-        if m.recipe is not None or m.nvfp4 or (m.offline and run.args.quant_path is None)
-    ]
-    if skipped:
-        progress.say(
-            f"{', '.join(skipped)} skipped: the demo makes its msModelSlim exports and NVFP4 copy for "
-            f"Wan2.2 only, and the model is {run.trained.label}"
-        )
-        run.modes = [m for m in run.modes if m.name not in skipped]
+    reasons: dict[str, str] = {}
+    if not trained.wan_exports:
+        for m in run.modes:
+            if m.recipe is not None or m.nvfp4 or (m.offline and run.args.quant_path is None):
+                reasons[m.name] = "the demo makes its msModelSlim exports and NVFP4 copy for Wan2.2 only"
+    if not trained.publishes_steps:
+        for m in run.modes:
+            if _step_fallback(m, run.size["steps"]):
+                reasons[m.name] = (
+                    "W4A8 by step needs the denoising step, which vLLM-Omni's pipeline of this model does not "
+                    "publish (the engine refuses the config at start-up; W4A8 by layer works)"
+                )
+    for reason in dict.fromkeys(reasons.values()):
+        names = ", ".join(name for name, r in reasons.items() if r == reason)
+        progress.say(f"{names} skipped: {reason}, and the model is {trained.label}")
+    run.modes = [m for m in run.modes if m.name not in reasons]
+
+
+def _step_fallback(mode: Mode, steps: int) -> bool:
+    """Whether ``mode`` runs W4A8 on some denoising steps."""
+    config = mode.omni_kwargs(steps).get("quantization_config")
+    return isinstance(config, dict) and bool(config.get("w4a8_fallback_steps"))
 
 
 def _offline_step(run: DemoRun, progress: Progress) -> None:
@@ -451,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(int(demo.engine_env["OMP_NUM_THREADS"]))
-    _wan_only_step(demo, progress)
+    _skip_unsupported(demo, progress)
     _run_modes(demo, progress)
     return _finish(demo, progress)
 

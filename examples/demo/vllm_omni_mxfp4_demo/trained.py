@@ -5,8 +5,10 @@ A pipeline directory with a training manifest (``TRAINING.json``, written by
 evaluated it (:attr:`TrainedModel.defaults`: sizes, steps, guidance, a prompt it was trained on, a
 seed training never used) and every mode also generates its prompt-accuracy set
 (:attr:`TrainedModel.accuracy`). The demo's own msModelSlim exports, the shipped recipes and the
-NVFP4 copy are made for Wan2.2's module tree only (:attr:`TrainedModel.wan_exports`); the image
-model runs the online modes.
+NVFP4 copy are made for Wan2.2's module tree only (:attr:`TrainedModel.wan_exports`), and W4A8 by
+step needs a pipeline that publishes its denoising step (:attr:`TrainedModel.publishes_steps`:
+vLLM-Omni 0.30's Wan2.2 pipelines do, its FLUX.1-dev pipeline does not, and the engine refuses the
+config at start-up); the image model runs the other online modes.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from . import accuracy
 @dataclass(frozen=True)
 class TrainedModel:
     """One kind of trained tiny pipeline: what it is, the command that trains it, its generation
-    defaults, its prompt-accuracy set and whether the demo's Wan2.2 exports apply to it."""
+    defaults, its prompt-accuracy set, whether the demo's Wan2.2 exports apply to it and whether its
+    vLLM-Omni pipeline publishes the denoising step (``ForwardContext.denoise_step_idx``)."""
 
     label: str
     command: str
     defaults: dict[str, Any]
     accuracy: accuracy.AccuracySet
     wan_exports: bool
+    publishes_steps: bool
 
 
 WAN = TrainedModel(
@@ -50,6 +54,7 @@ WAN = TrainedModel(
     },
     accuracy=accuracy.VIDEO,
     wan_exports=True,
+    publishes_steps=True,
 )
 
 FLUX = TrainedModel(
@@ -68,6 +73,7 @@ FLUX = TrainedModel(
     },
     accuracy=accuracy.IMAGE,
     wan_exports=False,
+    publishes_steps=False,
 )
 
 KINDS: tuple[TrainedModel, ...] = (WAN, FLUX)
