@@ -60,12 +60,9 @@ steps, ``guidance_scale`` :data:`GUIDANCE`, no negative prompt; the output is on
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
 import math
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -702,21 +699,6 @@ def _eval_prompts(prompts: list[Any], recipe: FluxRecipe) -> list[Any]:
     return prompts if count is None or count >= len(prompts) else sample_prompts(prompts, count, seed=5)
 
 
-def _recipe_record(recipe: FluxRecipe) -> dict[str, Any]:
-    return {
-        k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-        for k, v in dataclasses.asdict(recipe, dict_factory=dict).items()
-    }
-
-
-def _accuracy_record(accuracy: Any) -> dict[str, Any]:
-    return {
-        "images": accuracy.outputs,
-        "prompt_accuracy": round(accuracy.value, 4),
-        "per_attribute": {k: round(v, 4) for k, v in accuracy.per_attribute.items()},
-    }
-
-
 def train_flux(out: Path, recipe: FluxRecipe | None = None, *, progress: bool = True) -> dict[str, Any]:
     """Train the pipeline of ``recipe`` (default :func:`default_recipe`), write it to ``out``
     (replacing what is there) with its manifest, and return the manifest."""
@@ -726,14 +708,17 @@ def train_flux(out: Path, recipe: FluxRecipe | None = None, *, progress: bool = 
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     from .task import image_prompts
+    from .training_command import (
+        StageClock,
+        accuracy_record,
+        final_loss,
+        library_versions,
+        recipe_record,
+        write_manifest,
+    )
 
     recipe = recipe or default_recipe()
-    started = time.perf_counter()
-    seconds: dict[str, float] = {}
-
-    def lap(name: str, since: float) -> float:
-        seconds[name] = round(time.perf_counter() - since, 1)
-        return time.perf_counter()
+    clock = StageClock()
 
     def stored(module: Any) -> Any:  # the weights as saved (BF16), computed in FP32
         return torch.nn.Module.to(torch.nn.Module.to(module, torch.bfloat16), torch.float32)
@@ -742,13 +727,13 @@ def train_flux(out: Path, recipe: FluxRecipe | None = None, *, progress: bool = 
     text_encoder = stored(clip_text_encoder(tokenizer, recipe.text_seed))
     text_encoder_2 = stored(t5_text_encoder(tokenizer_2, recipe.text_seed + 1))
     vae = _seeded(recipe.vae_seed, lambda: AutoencoderKL(**VAE_CONFIG))
-    clock = time.perf_counter()
+    clock.skip()
     vae_losses = train_vae(vae, recipe.vae, progress=progress)
     stored(vae)
-    clock = lap("vae", clock)
+    clock.lap("vae")
     bank = latent_bank(vae, recipe.bank_size, seed=recipe.bank_seed)
     vae.register_to_config(scaling_factor=float(1 / bank.std), shift_factor=float(bank.mean))
-    clock = lap("latent_bank", clock)
+    clock.lap("latent_bank")
 
     transformer = _seeded(recipe.transformer_seed, lambda: FluxTransformer2DModel(**TRANSFORMER_CONFIG))
     init_transformer(transformer)
@@ -765,12 +750,12 @@ def train_flux(out: Path, recipe: FluxRecipe | None = None, *, progress: bool = 
     losses = train_transformer(
         transformer, bank, text, recipe.transformer, recipe.base_guidance, progress=progress
     )
-    clock = lap("transformer", clock)
+    clock.lap("transformer")
     distill_losses = distill_guidance(
         transformer, bank, text, recipe.distill, recipe.base_guidance, progress=progress
     )
     stored(transformer)
-    clock = lap("distill", clock)
+    clock.lap("distill")
 
     seen, held_out = (
         evaluate(
@@ -782,7 +767,7 @@ def train_flux(out: Path, recipe: FluxRecipe | None = None, *, progress: bool = 
         )
         for held in (False, True)
     )
-    clock = lap("evaluate", clock)
+    clock.lap("evaluate")
     psnr = _psnr(vae)
 
     for module in (text_encoder, text_encoder_2, vae, transformer):  # stored in BF16
@@ -790,17 +775,10 @@ def train_flux(out: Path, recipe: FluxRecipe | None = None, *, progress: bool = 
     if out.exists():
         shutil.rmtree(out)
     pipeline.save_pretrained(out, safe_serialization=True)
-    import diffusers
-    import transformers
-
-    def tail(values: list[float]) -> float:
-        window = values[-max(len(values) // 10, 1) :]
-        return round(sum(window) / len(window), 5)
-
     manifest = {
         "model": "tiny FLUX.1-dev text-to-image trained on the synthetic still-image task (vllm_omni_mxfp4_tiny.task)",
         "command": COMMAND,
-        "recipe": _recipe_record(recipe),
+        "recipe": recipe_record(recipe),
         "configs": {
             "transformer": TRANSFORMER_CONFIG,
             "vae": {
@@ -812,33 +790,27 @@ def train_flux(out: Path, recipe: FluxRecipe | None = None, *, progress: bool = 
             "text_encoder_2": T5_CONFIG,
             "scheduler": scheduler_config(),
         },
-        "versions": {
-            "torch": torch.__version__,
-            "diffusers": diffusers.__version__,
-            "transformers": transformers.__version__,
-        },
+        "versions": library_versions(),
         "threads": torch.get_num_threads(),
-        "seconds": {**seconds, "total": round(time.perf_counter() - started, 1)},
+        "seconds": clock.record(),
         "metrics": {
             "vae_psnr_db": round(psnr, 2),
             "final_loss": {
-                "vae": tail(vae_losses),
-                "transformer": tail(losses),
-                "distill": tail(distill_losses),
+                "vae": final_loss(vae_losses),
+                "transformer": final_loss(losses),
+                "distill": final_loss(distill_losses),
             },
             "diffusers_fp32_eval": {
                 "steps": recipe.eval_steps,
                 "guidance_scale": recipe.eval_guidance,
                 "true_cfg_scale": 1.0,
                 "seeds": list(recipe.eval_seeds),
-                "seen_prompts": _accuracy_record(seen),
-                "held_out_prompts": _accuracy_record(held_out),
+                "seen_prompts": accuracy_record(seen, "image"),
+                "held_out_prompts": accuracy_record(held_out, "image"),
             },
         },
     }
-    manifest["sha256"] = file_hashes(out)
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    return write_manifest(out, manifest, MANIFEST)
 
 
 def build_parser() -> argparse.ArgumentParser:

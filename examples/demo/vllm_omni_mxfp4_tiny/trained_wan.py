@@ -40,12 +40,10 @@ the evaluation here computes in FP32.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import logging
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -361,13 +359,6 @@ def verify_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def _recipe_record(recipe: WanRecipe) -> dict[str, Any]:
-    return {
-        k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-        for k, v in dataclasses.asdict(recipe, dict_factory=dict).items()
-    }
-
-
 def train_wan(out: Path, recipe: WanRecipe | None = None, *, progress: bool = True) -> dict[str, Any]:
     """Train the pipeline of ``recipe`` (default :func:`default_recipe`), write it to ``out``
     (replacing what is there) with its manifest, and return the manifest."""
@@ -379,28 +370,31 @@ def train_wan(out: Path, recipe: WanRecipe | None = None, *, progress: bool = Tr
 
     from . import training
     from .task import video_prompts
+    from .training_command import (
+        StageClock,
+        accuracy_record,
+        final_loss,
+        library_versions,
+        recipe_record,
+        write_manifest,
+    )
 
     recipe = recipe or default_recipe()
-    started = time.perf_counter()
-    seconds: dict[str, float] = {}
-
-    def lap(name: str, since: float) -> float:
-        seconds[name] = round(time.perf_counter() - since, 1)
-        return time.perf_counter()
+    clock = StageClock()
 
     tokenizer = training.task_tokenizer()
     # stored in BF16 as Wan2.2's UMT5 is; the training embeddings come from the rounded weights
     text_encoder = training.task_text_encoder(text_encoder_config(), recipe.text_seed)
     text_encoder.to(torch.bfloat16).to(torch.float32)
     vae = _seeded(recipe.vae_seed, lambda: AutoencoderKLWan(**VAE_CONFIG))
-    clock = time.perf_counter()
+    clock.skip()
     vae_losses = training.train_vae(vae, recipe.vae, progress=progress)
-    clock = lap("vae", clock)
+    clock.lap("vae")
     bank = training.latent_bank(
         vae, recipe.bank_size, seed=recipe.bank_seed, frames=FRAMES, height=HEIGHT, width=WIDTH
     )
     vae.register_to_config(latents_mean=bank.mean.tolist(), latents_std=bank.std.tolist())
-    clock = lap("latent_bank", clock)
+    clock.lap("latent_bank")
 
     texts = [p.text for p in _training_prompts()] + [""]
     embeddings = training.prompt_embeddings(tokenizer, text_encoder, texts)
@@ -411,14 +405,14 @@ def train_wan(out: Path, recipe: WanRecipe | None = None, *, progress: bool = Tr
     losses = {
         "trunk": training.train_expert(trunk, bank, text, bias, recipe.trunk, progress=progress, name="trunk")
     }
-    clock = lap("trunk", clock)
+    clock.lap("trunk")
     experts = []  # BF16 weights (as saved), computed in FP32 by the evaluation
     for name, config in (("high", recipe.high), ("low", recipe.low)):
         expert = copy.deepcopy(trunk)
         losses[name] = training.train_expert(
             expert, bank, text, bias, config, progress=progress, name=f"expert {name}"
         )
-        clock = lap(f"expert_{name}", clock)
+        clock.lap(f"expert_{name}")
         experts.append(expert.to(torch.bfloat16).to(torch.float32))
 
     pipeline = WanPipeline(
@@ -441,7 +435,7 @@ def train_wan(out: Path, recipe: WanRecipe | None = None, *, progress: bool = Tr
         )
         for prompts in (_training_prompts(), video_prompts(held_out=True))
     )
-    clock = lap("evaluate", clock)
+    clock.lap("evaluate")
     psnr = _psnr(vae, recipe)
 
     for module in (text_encoder, *experts):  # stored in BF16, as Wan2.2 ships them
@@ -449,53 +443,32 @@ def train_wan(out: Path, recipe: WanRecipe | None = None, *, progress: bool = Tr
     if out.exists():
         shutil.rmtree(out)
     pipeline.save_pretrained(out, safe_serialization=True)
-    import diffusers
-    import transformers
-
-    def tail(losses: list[float]) -> float:
-        window = losses[-max(len(losses) // 10, 1) :]
-        return round(sum(window) / len(window), 5)
-
     manifest = {
         "model": "tiny Wan2.2 T2V (two experts) trained on the synthetic task (vllm_omni_mxfp4_tiny.task)",
         "command": COMMAND,
-        "recipe": _recipe_record(recipe),
+        "recipe": recipe_record(recipe),
         "configs": {
             "transformer": TRANSFORMER_CONFIG,
             "vae": VAE_CONFIG,
             "text_encoder": text_encoder_config(),
         },
-        "versions": {
-            "torch": torch.__version__,
-            "diffusers": diffusers.__version__,
-            "transformers": transformers.__version__,
-        },
+        "versions": library_versions(),
         "threads": torch.get_num_threads(),
-        "seconds": {**seconds, "total": round(time.perf_counter() - started, 1)},
+        "seconds": clock.record(),
         "metrics": {
             "vae_psnr_db": round(psnr, 2),
-            "final_loss": {"vae": tail(vae_losses), **{k: tail(v) for k, v in losses.items()}},
+            "final_loss": {"vae": final_loss(vae_losses), **{k: final_loss(v) for k, v in losses.items()}},
             "diffusers_fp32_eval": {
                 "steps": recipe.eval_steps,
                 "guidance_scale": recipe.eval_guidance,
                 "guidance_scale_2": recipe.eval_guidance_2,
                 "seeds": list(recipe.eval_seeds),
-                "seen_prompts": _accuracy_record(seen),
-                "held_out_prompts": _accuracy_record(held_out),
+                "seen_prompts": accuracy_record(seen, "video"),
+                "held_out_prompts": accuracy_record(held_out, "video"),
             },
         },
     }
-    manifest["sha256"] = file_hashes(out)
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
-
-
-def _accuracy_record(accuracy: Any) -> dict[str, Any]:
-    return {
-        "videos": accuracy.outputs,
-        "prompt_accuracy": round(accuracy.value, 4),
-        "per_attribute": {k: round(v, 4) for k, v in accuracy.per_attribute.items()},
-    }
+    return write_manifest(out, manifest, MANIFEST)
 
 
 def build_parser() -> argparse.ArgumentParser:

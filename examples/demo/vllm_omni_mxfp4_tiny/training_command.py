@@ -1,12 +1,16 @@
-"""The command line every trained tiny pipeline's training command shares
-(``python -m vllm_omni_mxfp4_tiny.trained_wan``, ``...trained_flux``): ``--out`` (default: the
-shipped copy), ``--quick`` (a smoke run, refused over the shipped copy) and a summary of the
-manifest the training wrote."""
+"""What every trained tiny pipeline's training command shares (``python -m
+vllm_omni_mxfp4_tiny.trained_wan``, ``...trained_flux``): the command line (``--out``, default the
+shipped copy; ``--quick``, a smoke run refused over the shipped copy; the pinned thread count), the
+records of its manifest (recipe, stage times, final losses, prompt accuracy, library versions,
+SHA-256 of every file) and the summary printed at the end."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -83,3 +87,70 @@ def main(
     for line in summary(manifest, out, unit, manifest_name):
         print(line)
     return 0
+
+
+class StageClock:
+    """Seconds per training stage, as the manifest records them (``seconds``), and the total."""
+
+    def __init__(self) -> None:
+        self.started = self.since = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        """Record the time since the last lap (or the start) as stage ``name``."""
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self.since, 1)
+        self.since = now
+
+    def skip(self) -> None:
+        """Start the next stage now: the time since the last lap counts in the total only."""
+        self.since = time.perf_counter()
+
+    def record(self) -> dict[str, float]:
+        """Each stage's seconds and the total since the clock was made."""
+        return {**self.seconds, "total": round(time.perf_counter() - self.started, 1)}
+
+
+def recipe_record(recipe: Any) -> dict[str, Any]:
+    """A recipe dataclass (stages as nested dataclasses) as the manifest's plain JSON ``recipe``."""
+    return {
+        k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+        for k, v in dataclasses.asdict(recipe, dict_factory=dict).items()
+    }
+
+
+def final_loss(losses: list[float]) -> float:
+    """A stage's final loss: the mean over its last tenth of steps (one step's loss is noise)."""
+    window = losses[-max(len(losses) // 10, 1) :]
+    return round(sum(window) / len(window), 5)
+
+
+def accuracy_record(accuracy: Any, unit: str) -> dict[str, Any]:
+    """A :class:`.detect.Accuracy` as the manifest records it (``unit``: what one output is)."""
+    return {
+        f"{unit}s": accuracy.outputs,
+        "prompt_accuracy": round(accuracy.value, 4),
+        "per_attribute": {k: round(v, 4) for k, v in accuracy.per_attribute.items()},
+    }
+
+
+def library_versions() -> dict[str, str]:
+    """The versions of the libraries that computed the weights."""
+    import diffusers
+    import torch
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def write_manifest(out: Path, manifest: dict[str, Any], manifest_name: str) -> dict[str, Any]:
+    """Add the SHA-256 of every file of ``out`` to ``manifest`` and write it next to them."""
+    from .trained_wan import file_hashes
+
+    manifest["sha256"] = file_hashes(out)
+    (out / manifest_name).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
