@@ -5,6 +5,8 @@ package ``vllm_omni_mxfp4`` ships none of this.
 
 - :mod:`.main`: ``python -m vllm_omni_mxfp4_demo``, the demo (``scripts/demo.sh`` runs it);
 - :mod:`.modes`: the modes the demo runs and its command line;
+- :mod:`.trained`, :mod:`.accuracy`: the trained tiny pipelines the demo knows (told apart by their
+  manifest) and their prompt-accuracy sets;
 - :mod:`.offline`: the offline step, an msModelSlim export merged into a diffusers checkpoint;
 - :mod:`.report`: the table, ``results.json`` / ``results.md``, videos and the console summary;
 - :mod:`.media`, :mod:`.metrics`: frames, videos, frame strips, PSNR and cosine similarity;

@@ -22,7 +22,8 @@ more user of it.
   cross-attention for training, the VAE and expert loops); :mod:`.trained_wan`, the command that
   trains the tiny Wan2.2 with them from fixed seeds and writes it with a manifest (recipe, measured
   prompt accuracy, SHA-256 of every file); :mod:`.trained_flux`, the same for a tiny FLUX.1-dev
-  text-to-image pipeline trained on the task's still images;
+  text-to-image pipeline trained on the task's still images; :mod:`.training_command`, the command
+  line and manifest records both commands share;
 - :mod:`.engine_job`: ``Omni`` once, frames saved, in a process of its own
   (``python -m vllm_omni_mxfp4_tiny.engine_job JOB.json``);
 - :mod:`.runner`: bounded subprocesses whose process groups are reaped (the engine job among them);
