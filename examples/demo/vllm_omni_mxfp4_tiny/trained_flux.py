@@ -68,8 +68,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# one manifest format for every trained tiny pipeline; verify_manifest is re-exported for callers
-from .trained_wan import MANIFEST, file_hashes, verify_manifest  # noqa: F401
+from . import training_command
+from .training_command import (  # noqa: F401 (the manifest's rules, re-exported)
+    MANIFEST,
+    StageClock,
+    accuracy_record,
+    file_hashes,
+    final_loss,
+    library_versions,
+    recipe_record,
+    verify_manifest,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -708,14 +718,6 @@ def train_flux(out: Path, recipe: FluxRecipe | None = None, *, progress: bool = 
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     from .task import image_prompts
-    from .training_command import (
-        StageClock,
-        accuracy_record,
-        final_loss,
-        library_versions,
-        recipe_record,
-        write_manifest,
-    )
 
     recipe = recipe or default_recipe()
     clock = StageClock()
@@ -815,8 +817,6 @@ def train_flux(out: Path, recipe: FluxRecipe | None = None, *, progress: bool = 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m vllm_omni_mxfp4_tiny.trained_flux``."""
-    from . import training_command
-
     return training_command.build_parser(
         COMMAND,
         "Train the tiny FLUX.1-dev text-to-image pipeline on the synthetic task, from fixed seeds.",
@@ -826,8 +826,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Train, write and summarize (the CLI)."""
-    from . import training_command
-
     return training_command.main(
         build_parser(),
         argv,

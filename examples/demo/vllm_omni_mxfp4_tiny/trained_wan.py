@@ -40,14 +40,25 @@ the evaluation here computes in FP32.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from . import training_command
+from .training_command import (  # noqa: F401 (the manifest's rules, re-exported)
+    MANIFEST,
+    StageClock,
+    accuracy_record,
+    file_hashes,
+    final_loss,
+    library_versions,
+    recipe_record,
+    verify_manifest,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +68,6 @@ BOUNDARY_RATIO = 0.875
 COMMAND = "python -m vllm_omni_mxfp4_tiny.trained_wan"
 """The command that trains the pipeline; its manifest records it (the demo tells trained models apart by it)."""
 
-MANIFEST = "TRAINING.json"
-"""The file next to a trained pipeline: recipe, measured numbers, SHA-256 of every other file."""
 
 SHIPPED = Path(__file__).parent / "trained" / "wan22_t2v"
 """Where the demo distribution carries the trained pipeline (package data): the command's default
@@ -313,52 +322,6 @@ def _training_prompts() -> list[Any]:
     return video_prompts(held_out=False)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def file_hashes(directory: Path) -> dict[str, str]:
-    """SHA-256 of every file under ``directory`` but the manifest, by POSIX relative path."""
-    return {
-        p.relative_to(directory).as_posix(): _sha256(p)
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
-
-
-def verify_manifest(directory: Path) -> dict[str, Any]:
-    """The manifest of ``directory``, after checking that its files are exactly those it records,
-    byte for byte (SHA-256); a ``ValueError`` names each file that differs, is missing or is extra,
-    and the command the manifest records as having written them. Any trained tiny pipeline's
-    manifest (this module's, :mod:`.trained_flux`'s)."""
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise ValueError(
-            f"{directory}: no {MANIFEST}; expected a pipeline written by a training command "
-            "(python -m vllm_omni_mxfp4_tiny.trained_wan or .trained_flux)"
-        )
-    manifest = json.loads(path.read_text())
-    recorded, found = manifest.get("sha256", {}), file_hashes(directory)
-    problems = [f"{name}: missing" for name in sorted(set(recorded) - set(found))]
-    problems += [f"{name}: not in the manifest" for name in sorted(set(found) - set(recorded))]
-    problems += [
-        f"{name}: SHA-256 {found[name][:12]}... but the manifest records {recorded[name][:12]}..."
-        for name in sorted(set(found) & set(recorded))
-        if found[name] != recorded[name]
-    ]
-    if problems:
-        command = manifest.get("command", COMMAND)
-        raise ValueError(
-            f"{path}: the files do not match the manifest ({'; '.join(problems)}); rerun "
-            f"`{command}` to write them again"
-        )
-    return manifest
-
-
 def train_wan(out: Path, recipe: WanRecipe | None = None, *, progress: bool = True) -> dict[str, Any]:
     """Train the pipeline of ``recipe`` (default :func:`default_recipe`), write it to ``out``
     (replacing what is there) with its manifest, and return the manifest."""
@@ -370,14 +333,6 @@ def train_wan(out: Path, recipe: WanRecipe | None = None, *, progress: bool = Tr
 
     from . import training
     from .task import video_prompts
-    from .training_command import (
-        StageClock,
-        accuracy_record,
-        final_loss,
-        library_versions,
-        recipe_record,
-        write_manifest,
-    )
 
     recipe = recipe or default_recipe()
     clock = StageClock()
@@ -473,8 +428,6 @@ def train_wan(out: Path, recipe: WanRecipe | None = None, *, progress: bool = Tr
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m vllm_omni_mxfp4_tiny.trained_wan``."""
-    from . import training_command
-
     return training_command.build_parser(
         COMMAND,
         "Train the tiny two-expert Wan2.2 T2V pipeline on the synthetic task, from fixed seeds.",
@@ -484,8 +437,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Train, write and summarize (the CLI)."""
-    from . import training_command
-
     return training_command.main(
         build_parser(),
         argv,

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+MANIFEST = "TRAINING.json"
+"""The file next to a trained pipeline: recipe, measured numbers, SHA-256 of every other file."""
 
 THREADS = 2
 """Threads every training command computes with, whatever the machine has: a float sum is grouped by
@@ -149,8 +153,52 @@ def library_versions() -> dict[str, str]:
 
 def write_manifest(out: Path, manifest: dict[str, Any], manifest_name: str) -> dict[str, Any]:
     """Add the SHA-256 of every file of ``out`` to ``manifest`` and write it next to them."""
-    from .trained_wan import file_hashes
-
     manifest["sha256"] = file_hashes(out)
     (out / manifest_name).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_hashes(directory: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``directory`` but the manifest, by POSIX relative path."""
+    return {
+        p.relative_to(directory).as_posix(): _sha256(p)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def verify_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of ``directory``, after checking that its files are exactly those it records,
+    byte for byte (SHA-256); a ``ValueError`` names each file that differs, is missing or is extra,
+    and the command the manifest records as having written them. Any trained tiny pipeline's
+    manifest (:mod:`.trained_wan`'s, :mod:`.trained_flux`'s)."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise ValueError(
+            f"{directory}: no {MANIFEST}; expected a pipeline written by a training command "
+            "(python -m vllm_omni_mxfp4_tiny.trained_wan or .trained_flux)"
+        )
+    manifest = json.loads(path.read_text())
+    recorded, found = manifest.get("sha256", {}), file_hashes(directory)
+    problems = [f"{name}: missing" for name in sorted(set(recorded) - set(found))]
+    problems += [f"{name}: not in the manifest" for name in sorted(set(found) - set(recorded))]
+    problems += [
+        f"{name}: SHA-256 {found[name][:12]}... but the manifest records {recorded[name][:12]}..."
+        for name in sorted(set(found) & set(recorded))
+        if found[name] != recorded[name]
+    ]
+    if problems:
+        command = manifest.get("command", "the training command")
+        raise ValueError(
+            f"{path}: the files do not match the manifest ({'; '.join(problems)}); rerun "
+            f"`{command}` to write them again"
+        )
     return manifest
