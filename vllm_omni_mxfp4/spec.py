@@ -84,6 +84,13 @@ worse than floor, even or rceil on any block), and every backend runs it, since 
 are data to each kernel."""
 
 
+LOW_RANK_L1 = "svd_lowrank_l1"
+"""A low-rank branch's first factor ``V^T`` ``(rank, K)`` (msModelSlim's ``svd_res`` name)."""
+
+LOW_RANK_L2 = "svd_lowrank_l2"
+"""A low-rank branch's second factor ``U * S`` ``(N, rank)`` (msModelSlim's ``svd_res`` name)."""
+
+
 FORMATS = ("mxfp4", "mxfp4_dualscale", "mxfp8")
 """The quantized Linear formats: one per vLLM-Omni quantization method (``mxfp4``,
 ``mxfp4_dualscale``), and ``mxfp8``, the W8A8 layers of a checkpoint of either method that its

@@ -124,6 +124,14 @@ def test_unknown_mode_exits_2(capsys):
     assert info.value.code == 2 and "unknown mode(s) fp8" in capsys.readouterr().err
 
 
+def test_low_rank_modes_run_only_when_named():
+    default = [m.name for m in modes.build_parser().parse_args([]).modes]
+    assert default and not any(name.startswith("mxfp4-svd") for name in default)
+    named = modes.build_parser().parse_args(["--modes", "mxfp4-svd16,mxfp4"]).modes
+    assert [m.name for m in named] == ["bf16", "mxfp4", "mxfp4-svd16"]
+    assert named[2].omni_kwargs(10) == {"quantization_config": {"method": "mxfp4", "svd_rank": 16}}
+
+
 def test_every_mode_is_a_valid_config():
     by_name = {m.name: m for m in modes.MODES}
     assert by_name["mxfp4-w4a8"].omni_kwargs(1) == {

@@ -45,6 +45,13 @@ def test_dualscale_is_refused_naming_where_nvfp4_was_declared():
         nvfp4_source_config(Mxfp4DualScaleConfig(), "transformer (x/config.json)")
 
 
+def test_svd_rank_is_refused_for_an_nvfp4_checkpoint():
+    with pytest.raises(
+        ValueError, match=r"^transformer declares an NVFP4 checkpoint, and the mxfp4 config sets svd_rank 8"
+    ):
+        nvfp4_source_config(Mxfp4Config(svd_rank=8), "transformer")
+
+
 def test_auto_rule_is_mse_and_an_explicit_rule_is_kept():
     assert plan_of("nvfp4").rule == "mse"
     assert plan_of("nvfp4", nvfp4_requant_rule="rceil").rule == "rceil"

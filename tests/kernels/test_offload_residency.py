@@ -195,6 +195,16 @@ CASES: dict[str, tuple[str, Callable[..., Case]]] = {
         lambda env, _: offline_dual(env, {**DUAL_OFFLINE, "backend": "emulated"}),
     ),
     "emulated-mxfp8": ("", lambda env, _: mxfp8(env, "emulated")),
+    "emulated-mxfp4-svd-rank": ("", lambda env, _: online(env, {**EMULATED, "svd_rank": 8})),
+    "emulated-dualscale-svd-rank": (
+        "",
+        lambda env, _: online(
+            env,
+            {"method": "mxfp4_dualscale", "backend": "emulated", "svd_rank": 8},
+            k=K_DUAL,
+            prefix=LATE_BLOCK,
+        ),
+    ),
     "emulated-rocm-mirror": ("", lambda env, _: online(env, EMULATED, mirror="rocm:rceil")),
     "nvfp4-requantized": ("expert", lambda env, extras: nvfp4(env, extras["expert"])),
     "npu-mxfp4-online-uos": (
@@ -211,6 +221,10 @@ CASES: dict[str, tuple[str, Callable[..., Case]]] = {
         lambda env, _: offline_dual(env, {**DUAL_OFFLINE, "backend": "npu"}),
     ),
     "npu-mxfp8": ("npu", lambda env, _: mxfp8(env, "npu")),
+    "npu-mxfp4-svd-rank": (
+        "npu",
+        lambda env, _: online(env, {"method": "mxfp4", "backend": "npu", "svd_rank": 8}),
+    ),
     # N = 256: AITER's tiles fit, the preshuffled bytes replace the weight parameter's (adopted).
     "rocm-mxfp4-online-adopted": (
         "aiter",

@@ -72,6 +72,12 @@ ONLINE = {
     "w4a8_step": ({"method": "mxfp4", "w4a8_fallback_steps": [0, 7]}, 7, 0.99),
     "a4_step": ({"method": "mxfp4", "w4a8_fallback_steps": [0, 7]}, 3, 0.95),
     "dualscale_online": ({"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 1}, None, 0.95),
+    "mxfp4_svd_rank": ({"method": "mxfp4", "svd_rank": 16}, None, 0.95),
+    "dualscale_svd_rank": (
+        {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 1, "svd_rank": 16},
+        None,
+        0.95,
+    ),
 }
 
 
@@ -97,6 +103,28 @@ def test_online_configs_on_the_wan_transformer(vllm_env, tiny_dir, bf16_out, nam
     set_kernels(model, ReferenceKernel)
     assert torch.equal(want, run())
     assert cosine(out, want) > 0.9999
+
+
+@pytest.mark.parametrize("method", ["mxfp4", "mxfp4_dualscale"])
+def test_svd_rank_gives_every_quantized_linear_a_pair_and_moves_closer_to_bf16(
+    vllm_env, tiny_dir, bf16_out, method
+):
+    """Through vLLM-Omni's own config parsing, factory and loader: each quantized Linear holds a pair
+    per checkpoint piece (Q, K and V of the fused self-attention each their own), BF16 Linears none,
+    and the output is closer to the BF16 model's than without the branch."""
+    spec = {"method": method, "backend": "emulated"}
+    if method == "mxfp4_dualscale":
+        spec["num_bf16_fallback_layers"] = 1
+    plain = cosine(forward(vllm_env, build_expert(vllm_env, tiny_dir, spec)), bf16_out)
+    model = build_expert(vllm_env, tiny_dir, {**spec, "svd_rank": 16})
+    layers = quantized_layers(model)
+    for name, layer in layers.items():
+        pieces = 3 if name.endswith("to_qkv") else 1
+        assert layer.svd_lowrank_l1.shape == (pieces * 16, layer.input_size_per_partition), name
+        assert layer.svd_lowrank_l2.shape == (layer.output_size_per_partition, 16), name
+    others = [n for n, m in model.named_modules() if hasattr(m, "quant_method") and n not in layers]
+    assert all(not hasattr(model.get_submodule(n), "svd_lowrank_l1") for n in others)
+    assert cosine(forward(vllm_env, model), bf16_out) > plain
 
 
 def test_w4a4_and_w4a8_differ_and_step_switches(vllm_env, tiny_dir, tmp_path):

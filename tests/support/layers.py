@@ -132,6 +132,22 @@ def weights(seed=0, n=N, k=K, dtype=torch.bfloat16):
     return w, b, x
 
 
+def outlier_weight(seed: int = 0, n: int = N, k: int = K) -> torch.Tensor:
+    """A BF16 weight whose few large input channels lie in two directions: the structure that makes
+    a diffusion transformer's weights hard for MXFP4, and that a low-rank branch takes out."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    columns = torch.randperm(k, generator=g)[:6]
+    w[:, columns] += torch.randn(n, 2, generator=g) @ torch.randn(2, 6, generator=g)
+    return w.to(torch.bfloat16)
+
+
+def activations(seed: int = 1, k: int = K) -> torch.Tensor:
+    """Activations (4, 7, K) in BF16, standard normal."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 7, k, generator=g).to(torch.bfloat16)
+
+
 def smooth_vector(k: int, seed: int = 1) -> torch.Tensor:
     """A positive Smooth vector (K,) of moderate spread."""
     return torch.exp(0.5 * torch.randn(k, generator=torch.Generator().manual_seed(seed)))

@@ -65,16 +65,29 @@ class MethodConfig:
     EMPTY_ONLY_KEYS: ClassVar[Mapping[str, EmptyOnlyKey]] = MappingProxyType({})
     #: Keys written by :meth:`to_dict` only when non-empty, so that a config that does not use them
     #: serializes (and writes its checkpoint block) exactly as before they existed.
-    OMITTED_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ("mxfp8_layers", "online_rotation")
+    OMITTED_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ("mxfp8_layers", "online_rotation", "svd_rank")
 
     ignored_layers: tuple[str, ...]
     mxfp8_layers: tuple[str, ...]
+    svd_rank: int
 
     def __post_init__(self) -> None:
         for f in fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
         self._check_combination()
         self._check_mxfp8_layers()
+        self._check_svd_rank()
+
+    def _check_svd_rank(self) -> None:
+        """``svd_rank`` splits BF16 weights at load (online); a pre-quantized checkpoint has no BF16
+        weight left to split."""
+        if self.svd_rank and self.is_serialized:
+            raise ValueError(
+                f"svd_rank {self.svd_rank} computes a low-rank branch from the BF16 weights at load (online "
+                f"{self.METHOD}), but this config loads a pre-quantized checkpoint ({self.serialized_key()}: "
+                "true), whose weights are already quantized. Remove svd_rank, or load the BF16 model with "
+                f"--quantization {self.METHOD} and svd_rank."
+            )
 
     def _check_mxfp8_layers(self) -> None:
         """``mxfp8_layers`` describes a pre-quantized checkpoint's storage: offline only, and each of
@@ -239,6 +252,7 @@ class Mxfp4Config(MethodConfig):
     mxfp4_scale_alg: int = key(0, check_scale_alg, role=RUNTIME_POLICY)
     backend: str = key("auto", check_backend, role=RUNTIME_SETTING)
     nvfp4_requant_rule: str = key("auto", check_requant_rule, role=RUNTIME_SETTING)
+    svd_rank: int = key(0, check_count, role=RUNTIME_POLICY)
 
     METHOD: ClassVar[str] = "mxfp4"
 
@@ -279,6 +293,7 @@ class Mxfp4DualScaleConfig(MethodConfig):
     online_rotation: dict[str, Any] | None = key(None, check_online_rotation, role=STORAGE)
     num_bf16_fallback_layers: int = key(5, check_count, role=RUNTIME_SETTING)
     backend: str = key("auto", check_backend, role=RUNTIME_SETTING)
+    svd_rank: int = key(0, check_count, role=RUNTIME_POLICY)
 
     METHOD: ClassVar[str] = "mxfp4_dualscale"
     EMPTY_ONLY_KEYS: ClassVar[Mapping[str, EmptyOnlyKey]] = empty_only_keys(

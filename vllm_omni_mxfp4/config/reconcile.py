@@ -176,4 +176,10 @@ def nvfp4_source_config(runtime: QuantConfig, origin: str) -> Mxfp4Config:
             "scale), the only exact path. Pass quantization='mxfp4' (--quantization mxfp4) instead; "
             "ignored_layers carries over."
         )
+    if runtime.svd_rank:
+        raise ValueError(
+            f"{origin} declares an NVFP4 checkpoint, and the mxfp4 config sets svd_rank {runtime.svd_rank}: "
+            "NVFP4 weights are requantized to MXFP4 at load, so there is no BF16 weight to split into a "
+            "low-rank branch and a residual. Remove svd_rank, or serve the BF16 model with svd_rank."
+        )
     return dataclasses.replace(runtime, is_checkpoint_mxfp4_serialized=True)

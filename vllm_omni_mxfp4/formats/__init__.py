@@ -14,12 +14,14 @@ constants (``MX_BLOCK_SIZE``, ``DUAL_BLOCK_SIZE``, ``NAN_CODE``, ``UOS_DST_TYPE_
 - :mod:`.nvfp4`: the canonical NVFP4 weight (E2M1 codes, E4M3 scale per 16, float32 global scale)
   and its exact float32 dequantization;
 - :mod:`.requant`: NVFP4 -> MXFP4 requantization per 32-block (``floor``, ``even``, ``rceil``,
-  ``mse``) with a per-layer error report.
+  ``mse``) with a per-layer error report;
+- :mod:`.low_rank`: a weight's rank-r pair and the residual that is quantized (``svd_rank``).
 """
 
 from .dualscale import DUAL_BLOCK_SIZE, dequantize_dualscale, level0_scales, quantize_dualscale
 from .e2m1 import E2M1_MAX, E2M1_VALUES, e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
 from .layout import from_npu_scale_layout, to_npu_scale_layout
+from .low_rank import low_rank_pair, split_weight
 from .mx import MX_BLOCK_SIZE, block_amax, dequantize_mx, fake_quantize_mx, quantize_mx
 from .mxfp8 import (
     MXFP8_SCALE_RULE,
@@ -64,12 +66,14 @@ __all__ = [
     "fake_quantize_mxfp8",
     "from_npu_scale_layout",
     "level0_scales",
+    "low_rank_pair",
     "pack_fp4",
     "quantize_dualscale",
     "quantize_mx",
     "quantize_mxfp8",
     "requantize_nvfp4",
     "shared_exponent_codes",
+    "split_weight",
     "to_npu_scale_layout",
     "unpack_fp4",
 ]

@@ -33,7 +33,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from ..config import LayerRoute, Precision, QuantConfig
 from ..kernels import KernelSelector, MxKernel, MxLayerSpec
 from ..spec import BIAS, FORMATS, VALUE_RULES, CheckpointTensor, checkpoint_tensors
-from . import trace
+from . import low_rank, trace
 from .loading import check_values, checked_tensor, counted_load, row_shard, shard_geometry, shared_blocks
 from .shapes import check_quantizable
 from .state import PREPARED_ATTR, MxLayerState, Phase
@@ -145,6 +145,8 @@ class MxLinearMethod(LinearMethodBase):
         if self.online:
             weight = torch.empty(n, layer._mx.geometry.k_padded, dtype=params_dtype, device="meta")
             self._register(layer, "weight", weight, {"input_dim": 1, "output_dim": 0}, vllm_loader)
+            if self.config.svd_rank:
+                low_rank.create(layer, self.prefix, self.method_name, self.config.svd_rank, output_size)
             return
         for tensor in self.checkpoint_tensors():
             self._register_checkpoint_tensor(layer, tensor, n, vllm_loader)
@@ -229,6 +231,8 @@ class MxLinearMethod(LinearMethodBase):
 
         def load(param: Parameter, loaded_weight: torch.Tensor, *args: Any) -> None:
             loaded_weight = self._checked(state, name, loaded_weight, *args)
+            if state.low_rank:  # online svd_rank: the pair from the whole piece, the residual loads
+                loaded_weight = low_rank.split_on_load(layer, self.prefix, loaded_weight, args, vllm_loader)
             if name == "mul_scale" and state.loaded_count(name):
                 self._check_shared_smooth(layer, loaded_weight)
             tensor = None if self.online else self.tensor(name)
@@ -394,7 +398,10 @@ class MxLinearMethod(LinearMethodBase):
         precision = self.route.precision_now()
         trace.record(layer, self.method_name, self.prefix, precision, state.kernel.backend)
         prepared = getattr(layer, PREPARED_ATTR)
-        out = state.kernel.apply(layer, prepared, x.reshape(-1, x.shape[-1]), bias, precision)
+        x2d = x.reshape(-1, x.shape[-1])
+        out = state.kernel.apply(layer, prepared, x2d, bias, precision)
+        if state.low_rank:
+            out = low_rank.apply(layer, x2d, out)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

@@ -82,6 +82,7 @@ class MxLayerState:
     phase: Phase = Phase.CREATED
     loaded: dict[str, int] = field(default_factory=dict)
     load_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    low_rank: int = 0  # svd_rank of the layer's online low-rank branch (omni.low_rank); 0: none
 
     def loaded_count(self, name: str) -> int:
         """Elements of parameter ``name`` written so far."""

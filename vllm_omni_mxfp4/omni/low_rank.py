@@ -1,0 +1,140 @@
+"""The online low-rank branch of a quantized Linear (``svd_rank``): parameters, load-time split, forward.
+
+With ``svd_rank: r`` an online layer keeps, next to its quantized weight, a pair per fused part
+(:mod:`vllm_omni_mxfp4.formats.low_rank`): ``svd_lowrank_l1`` ``(parts * r, K)`` holds each part's
+``L1`` one under the other, ``svd_lowrank_l2`` ``(N, r)`` each part's ``L2`` in the part's output
+rows. Both are parameters in the activation dtype, so vLLM-Omni's offload and sleep movers move them
+with the layer.
+
+Loading: each BF16 weight piece (a whole Linear, or the Q, K or V of a fused one) arrives complete
+from the checkpoint, before vLLM narrows it to this TP rank. Its pair is computed there, from the
+whole piece, and the piece's residual ``W - L2 @ L1`` goes on to the normal online path (narrowed,
+quantized). Every rank therefore holds the slices of the same pair and the same residual as TP=1:
+a column-parallel rank keeps its output rows of ``L2`` and all of ``L1``, a row-parallel rank its
+K columns of ``L1`` and all of ``L2``, whose partial products join the main path's all-reduce.
+
+Forward: ``y = kernel(x) + (x L1^T) L2^T`` per part, in the activation dtype, on the activation as the
+layer receives it (online layers have no Smooth). The branch does not depend on the precision of the
+step, so W4A8 layers and steps keep it, and it runs outside the kernel: every backend gets the same
+branch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn import Parameter
+from vllm.model_executor.layers.linear import RowParallelLinear
+from vllm.model_executor.utils import set_weight_attrs
+
+from ..formats.low_rank import split_weight
+from ..spec import LOW_RANK_L1, LOW_RANK_L2
+
+logger = logging.getLogger(__name__)
+
+QKV_PIECES = ("q", "k", "v")
+
+
+def piece_sizes(layer: torch.nn.Module, output_size: int) -> list[int]:
+    """Output rows of each checkpoint piece of ``layer`` over all ranks: Q, K and V of a fused
+    attention projection, the parts of a merged Linear, or the one weight of any other Linear."""
+    if hasattr(layer, "total_num_kv_heads"):  # QKVParallelLinear
+        kv = layer.total_num_kv_heads
+        return [layer.total_num_heads * layer.head_size, kv * layer.head_size, kv * layer.v_head_size]
+    sizes = getattr(layer, "output_sizes", None)
+    return list(sizes) if sizes and len(sizes) > 1 else [output_size]
+
+
+def piece_index(layer: torch.nn.Module, shard: tuple[Any, ...]) -> int | None:
+    """Which piece a loader call carries (``None``: all pieces fused in one checkpoint tensor)."""
+    shard_id = shard[0] if shard else None
+    if shard_id is None:
+        return None if len(layer.logical_widths) > 1 else 0
+    if isinstance(shard_id, str):
+        return QKV_PIECES.index(shard_id)
+    return int(shard_id)
+
+
+def check_rank(prefix: str, method: str, rank: int, pieces: list[int], k_full: int) -> None:
+    """Refuse, before any allocation, a rank that some piece ``(N_piece, K)`` cannot have."""
+    smallest = min(min(pieces), k_full)
+    if rank > smallest:
+        shapes = ", ".join(f"({n}, {k_full})" for n in pieces)
+        raise ValueError(
+            f"{prefix}: svd_rank {rank} exceeds min(N, K) = {smallest} of its weight{'s' if len(pieces) > 1 else ''} "
+            f"{shapes} ({method}); use svd_rank <= {smallest}, or list the layer in ignored_layers"
+        )
+
+
+def create(layer: torch.nn.Module, prefix: str, method: str, rank: int, output_size: int) -> None:
+    """Register the pair's parameters on an online layer being created (zeros until its weight loads)."""
+    pieces = piece_sizes(layer, output_size)
+    check_rank(prefix, method, rank, pieces, layer._mx.geometry.k_full)
+    dtype = layer.orig_dtype
+    n, k = layer.output_size_per_partition, layer.input_size_per_partition
+    shapes = {LOW_RANK_L1: (len(layer.logical_widths) * rank, k), LOW_RANK_L2: (n, rank)}
+    for name, shape in shapes.items():
+        param = Parameter(torch.zeros(shape, dtype=dtype, device=layer._mx.load_device), requires_grad=False)
+        layer.register_parameter(name, param)
+
+        def refuse(param: Parameter, loaded_weight: torch.Tensor, *shard: Any, _name: str = name) -> None:
+            raise ValueError(
+                f"{prefix}.{_name}: the checkpoint carries its own low-rank pair, and svd_rank {rank} would "
+                f"compute a second one from the weight at load. Remove svd_rank from the {method} config."
+            )
+
+        # computed from the weight, never read from the checkpoint: not expected there by the loader
+        set_weight_attrs(
+            param, {"weight_loader": refuse, "ignore_warning": True, "is_checkpoint_optional": True}
+        )
+    set_weight_attrs(layer.svd_lowrank_l2, {"output_dim": 0})
+    layer._mx.low_rank = rank
+
+
+def split_on_load(
+    layer: torch.nn.Module, prefix: str, weight: torch.Tensor, shard: tuple[Any, ...], vllm_loader
+) -> torch.Tensor:
+    """Store this rank's slices of the pair of the checkpoint piece(s) in ``weight`` and return the
+    residual that the online path loads in its place."""
+    index = piece_index(layer, shard)
+    if index is None:  # Q, K and V fused in one checkpoint tensor: split it as vLLM does
+        sizes = piece_sizes(layer, weight.shape[0])
+        ids = QKV_PIECES if hasattr(layer, "total_num_kv_heads") else range(len(sizes))
+        pieces = torch.split(weight, sizes, dim=0)
+        return torch.cat([split_on_load(layer, prefix, p, (i,), vllm_loader) for p, i in zip(pieces, ids)])
+    rank = layer._mx.low_rank
+    where = f"{prefix}.weight" + (f" (fused piece {shard[0]!r})" if shard and shard[0] is not None else "")
+    l1, l2, residual = split_weight(weight, rank, where)
+    geometry = layer._mx.geometry
+    if isinstance(layer, RowParallelLinear) and geometry.sharded:
+        l1 = l1[:, geometry.k0 : geometry.k0 + geometry.k]
+    dtype = layer.svd_lowrank_l1.dtype
+    layer.svd_lowrank_l1.data[index * rank : (index + 1) * rank].copy_(l1.to(dtype))
+    vllm_loader(layer.svd_lowrank_l2, l2.to(dtype), *shard)
+    return residual
+
+
+def apply(layer: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out + (x L1^T) L2^T`` for each piece, in ``x``'s dtype (``x`` (M, K), ``out`` (M, N))."""
+    rank = layer._mx.low_rank
+    l1, l2 = layer.svd_lowrank_l1.to(x.dtype), layer.svd_lowrank_l2.to(x.dtype)
+    widths = layer.logical_widths
+    if len(widths) == 1:
+        return out + F.linear(F.linear(x, l1), l2)
+    branch, row = [], 0
+    for i, width in enumerate(widths):
+        branch.append(F.linear(F.linear(x, l1[i * rank : (i + 1) * rank]), l2[row : row + width]))
+        row += width
+    return out + torch.cat(branch, dim=-1)
+
+
+def extra_bytes(layer: torch.nn.Module) -> int:
+    """Bytes the pair adds to this layer (0 without one)."""
+    if not getattr(layer._mx, "low_rank", 0):
+        return 0
+    return sum(
+        getattr(layer, n).numel() * getattr(layer, n).element_size() for n in (LOW_RANK_L1, LOW_RANK_L2)
+    )
