@@ -179,13 +179,13 @@ def test_table_rows_add_prompt_accuracy_when_a_mode_was_scored():
         "held_out": {"outputs": 12, "accuracy": 0.25, "per_attribute": {}},
     }
     results = [
-        {"mode": "bf16", **base, "gen_s": 1.0, "accuracy": scored},
+        {"mode": "bf16", **base, "gen_s": 1.0, "accuracy": scored, "set_psnr": math.inf},
         {"mode": "mxfp4", **base, "gen_s": 1.0},  # scored nowhere: not available
         {"mode": "offline", "error": "boom"},
     ]
     rows = report.table_rows(results)
-    assert rows[0][:5] == ["mode", "PSNR dB", "cosine", "accuracy seen", "accuracy held-out"]
-    assert rows[1][3:5] == ["88% of 24", "25% of 12"] and rows[2][3:5] == ["n/a", "n/a"]
+    assert rows[0][:6] == ["mode", "PSNR dB", "cosine", "set PSNR dB", "accuracy seen", "accuracy held-out"]
+    assert rows[1][3:6] == ["inf", "88% of 24", "25% of 12"] and rows[2][3:6] == ["n/a", "n/a", "n/a"]
     assert rows[3] == ["offline", "failed"] + [""] * (len(rows[0]) - 2)
     assert all(len(row) == len(rows[0]) for row in rows)
     assert "accuracy" not in " ".join(report.table_rows([dict(results[1])])[0])
@@ -270,6 +270,17 @@ def _transformer(name: str, method: str, weight_bytes: int) -> dict:
         linear["w4a8_steps"] = []
     info = {"name": name, "weight_bytes": weight_bytes, "kernel_bytes": 0, "backend_bytes": 0}
     return info | {"linears": [linear], "ranks": 1}
+
+
+def test_set_psnr_is_the_mean_over_the_accuracy_sets_outputs_against_bf16s():
+    reference = np.stack([_gradient(3, 8, 8), 1.0 - _gradient(3, 8, 8)])
+    shifted = np.clip(reference + np.array([0.01, 0.1])[:, None, None, None, None], 0, 1)
+    results = [{"mode": "bf16"}, {"mode": "mxfp4"}, {"mode": "short"}]
+    evaluation = {"bf16": reference, "mxfp4": shifted, "short": shifted[:1]}
+    report.score(results, {}, evaluation)
+    want = np.mean([psnr(shifted[i], reference[i]) for i in range(2)])
+    assert results[1]["set_psnr"] == pytest.approx(want) and results[0]["set_psnr"] == math.inf
+    assert "set_psnr" not in results[2]  # a set of another size is not compared
 
 
 def test_report_writes_the_numbers_and_prints_the_summary(tmp_path, capsys):

@@ -87,6 +87,7 @@ class DemoRun:
     failed_early: dict[str, str] = field(default_factory=dict)
     results: list[dict[str, Any]] = field(default_factory=list)
     frames: dict[str, np.ndarray] = field(default_factory=dict)
+    evaluation_frames: dict[str, np.ndarray] = field(default_factory=dict)  # the prompt-accuracy set's
     other_seed_frames: np.ndarray | None = None
 
 
@@ -296,10 +297,9 @@ def _run_mode(run: DemoRun, mode: Mode, entry: dict[str, Any], tag: str, progres
         entry["naive_w4a4"] = result["naive_w4a4"]
     run.frames[mode.name] = video_frames(np.load(Path(job.out) / "frames_0.npy"))
     if job.evaluation and run.trained is not None:
-        outputs = np.load(Path(job.out) / "evaluation.npy")
-        entry["accuracy"] = run.trained.accuracy.score(
-            np.stack([video_frames(v) for v in outputs]), run.args.accuracy_seeds
-        )
+        outputs = np.stack([video_frames(v) for v in np.load(Path(job.out) / "evaluation.npy")])
+        entry["accuracy"] = run.trained.accuracy.score(outputs, run.args.accuracy_seeds)
+        run.evaluation_frames[mode.name] = outputs
         entry["evaluation_s"] = result["evaluation_s"]
     if len(job.seeds) > 1:
         run.other_seed_frames = video_frames(np.load(Path(job.out) / "frames_1.npy"))
@@ -431,7 +431,7 @@ def _finish(run: DemoRun, progress: Progress) -> int:
     keys = ("prompt", "negative_prompt", "seed", "guidance_scale", "guidance_scale_2")
     settings = {k: getattr(run.args, k) for k in keys}
     summary = report.Summary(run.out, run.model, run.offline_model, settings, run.results)
-    report.score(run.results, run.frames)
+    report.score(run.results, run.frames, run.evaluation_frames)
     report.write_media(summary, run.frames)
     summary.other_seed = report.other_seed(run.frames.get("bf16"), run.other_seed_frames, run.args.seed + 1)
     if (
