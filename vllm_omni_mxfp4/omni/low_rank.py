@@ -129,12 +129,3 @@ def apply(layer: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.T
         branch.append(F.linear(F.linear(x, l1[i * rank : (i + 1) * rank]), l2[row : row + width]))
         row += width
     return out + torch.cat(branch, dim=-1)
-
-
-def extra_bytes(layer: torch.nn.Module) -> int:
-    """Bytes the pair adds to this layer (0 without one)."""
-    if not getattr(layer._mx, "low_rank", 0):
-        return 0
-    return sum(
-        getattr(layer, n).numel() * getattr(layer, n).element_size() for n in (LOW_RANK_L1, LOW_RANK_L2)
-    )
