@@ -54,8 +54,10 @@ MIN_CONTRIBUTION_BY_MODEL = {
 }
 # Takes a quant_config but builds every Linear without it (tools/model_table.py's NOTES).
 QUANTIZES_NOTHING = {"hidream_image.HiDreamImageTransformer2DModel"}
-# the table's cosine is the measurement of the day, not a bound: it may drift this much
-COSINE_DRIFT = 2e-3
+# the table's cosine is the measurement of the day, not a bound: it may drift this much. CPUs of other
+# instruction sets run vLLM's BF16 GEMMs with other kernels: Krea2's mxfp4 cosine is 0.88182 on an
+# AVX-512 VM and 0.87888 on an AVX2-only AMD EPYC VM (the same code), so the drift allows 5e-3
+COSINE_DRIFT = 5e-3
 # and its largest absolute error (one element, in BF16 steps of the output) this fraction of itself
 MAX_ABS_DRIFT = 0.25
 
