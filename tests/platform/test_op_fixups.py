@@ -78,11 +78,17 @@ def _strided_input(k: int, tokens: int = 32, seed: int = 1) -> torch.Tensor:
 
 
 def test_upstream_cpu_gemm_still_refuses_a_strided_input() -> None:
-    """Fails once vLLM's CPU GEMM takes strided inputs: then drop cpu_unquantized_gemm from op_fixups."""
-    from vllm_omni_mxfp4.platform.op_fixups import upstream_cpu_unquantized_gemm
+    """Fails once vLLM's CPU GEMM takes strided inputs on an AVX-512 CPU: then drop
+    cpu_unquantized_gemm from op_fixups. On an AVX2-only CPU vLLM packs no oneDNN or AMX weight and
+    its GEMM takes the strided input; there the fixup must give what upstream gives."""
+    from vllm_omni_mxfp4.platform.op_fixups import cpu_unquantized_gemm, upstream_cpu_unquantized_gemm
 
     layer, _ = _packed_linear(256, 256)
     x = _strided_input(256)
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        want = upstream_cpu_unquantized_gemm()(layer, x, layer.weight, None)
+        torch.testing.assert_close(cpu_unquantized_gemm(layer, x, layer.weight, None), want, rtol=0, atol=0)
+        return
     # oneDNN's message, or SGL's where vLLM packed for AMX tiles
     with pytest.raises(RuntimeError, match=r"stride\(-1\) == 1|must be contiguous at last dimension"):
         upstream_cpu_unquantized_gemm()(layer, x, layer.weight, None)
