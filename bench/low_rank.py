@@ -13,25 +13,12 @@ multiply-adds per token against the main GEMM's.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from linear import timed  # bench/linear.py: median of repeats after a warm-up
 from tqdm import tqdm
 
 from vllm_omni_mxfp4.formats import quantize_mx, split_weight
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:

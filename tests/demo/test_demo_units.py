@@ -215,7 +215,7 @@ def test_a_trained_model_takes_the_tasks_defaults_and_explicit_flags_win(tmp_pat
 
 
 def _manifested(directory, command):
-    from vllm_omni_mxfp4_tiny.trained_wan import MANIFEST, file_hashes
+    from vllm_omni_mxfp4_tiny.training_command import MANIFEST, file_hashes
 
     (directory / "model_index.json").write_text("{}")
     (directory / MANIFEST).write_text(json.dumps({"command": command, "sha256": file_hashes(directory)}))

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from vllm_omni_mxfp4_demo.accuracy import IMAGE
-from vllm_omni_mxfp4_tiny import trained_flux
+from vllm_omni_mxfp4_tiny import trained_flux, training_command
 from vllm_omni_mxfp4_tiny.detect import prompt_accuracy
 from vllm_omni_mxfp4_tiny.task import TRAINING_SEEDS, image_prompts
 from vllm_omni_mxfp4_tiny.training import MAX_SEQUENCE_LENGTH, task_vocabulary
@@ -195,19 +195,19 @@ def test_a_changed_missing_or_extra_file_is_named(quick_runs, tmp_path):
     _, root = quick_runs
     copy = tmp_path / "pipeline"
     shutil.copytree(root / "a", copy)
-    trained_flux.verify_manifest(copy)
+    training_command.verify_manifest(copy)
     weights = copy / "transformer" / "diffusion_pytorch_model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
     with pytest.raises(ValueError) as error:
-        trained_flux.verify_manifest(copy)
+        training_command.verify_manifest(copy)
     assert "transformer/diffusion_pytorch_model.safetensors: SHA-256" in str(error.value)
     assert f"rerun `{trained_flux.COMMAND}`" in str(error.value)
     (copy / "tokenizer_2" / "tokenizer.json").unlink()
     (copy / "notes.txt").write_text("x")
     with pytest.raises(ValueError) as error:
-        trained_flux.verify_manifest(copy)
+        training_command.verify_manifest(copy)
     assert "tokenizer_2/tokenizer.json: missing" in str(error.value)
     assert "notes.txt: not in the manifest" in str(error.value)
 
@@ -223,12 +223,12 @@ def test_the_command_trains_with_the_pinned_thread_count_and_summarizes(tmp_path
         assert trained_flux.main(["--quick", "--out", str(tmp_path / "cli")]) == 0
     finally:
         torch.set_num_threads(before)
-    manifest = json.loads((tmp_path / "cli" / trained_flux.MANIFEST).read_text())
+    manifest = json.loads((tmp_path / "cli" / training_command.MANIFEST).read_text())
     assert manifest["threads"] == training_command.THREADS
     out = capsys.readouterr().out
     assert f"trained pipeline: {tmp_path / 'cli'}" in out
     assert "prompt accuracy, seen prompts x seeds [1000000]: " in out and " of 2 images; " in out
-    assert f"SHA-256 in {tmp_path / 'cli' / trained_flux.MANIFEST}" in out
+    assert f"SHA-256 in {tmp_path / 'cli' / training_command.MANIFEST}" in out
 
 
 def test_quick_flag_refuses_to_overwrite_the_shipped_weights(capsys):
@@ -243,9 +243,9 @@ def test_quick_flag_refuses_to_overwrite_the_shipped_weights(capsys):
 def test_the_shipped_pipeline_is_what_its_manifest_records():
     """Every file byte for byte as the training command wrote it, within the 4.5 MB budget, the
     configs of this module, and a recorded prompt accuracy on seen prompts and >= 3 unseen seeds."""
-    manifest = trained_flux.verify_manifest(trained_flux.SHIPPED)
+    manifest = training_command.verify_manifest(trained_flux.SHIPPED)
     size = sum((trained_flux.SHIPPED / name).stat().st_size for name in manifest["sha256"])
-    size += (trained_flux.SHIPPED / trained_flux.MANIFEST).stat().st_size
+    size += (trained_flux.SHIPPED / training_command.MANIFEST).stat().st_size
     assert size <= 4.5e6, size
     assert manifest["command"] == trained_flux.COMMAND
     assert manifest["configs"]["transformer"] == trained_flux.TRANSFORMER_CONFIG

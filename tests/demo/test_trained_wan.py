@@ -10,7 +10,7 @@ import shutil
 import pytest
 from safetensors import safe_open
 
-from vllm_omni_mxfp4_tiny import trained_wan
+from vllm_omni_mxfp4_tiny import trained_wan, training_command
 from vllm_omni_mxfp4_tiny.task import TRAINING_SEEDS
 
 
@@ -65,7 +65,7 @@ def test_a_changed_missing_or_extra_file_is_named(quick_runs, tmp_path):
     _, root = quick_runs
     copy = tmp_path / "pipeline"
     shutil.copytree(root / "a", copy)
-    trained_wan.verify_manifest(copy)
+    training_command.verify_manifest(copy)
     weights = copy / "vae" / "diffusion_pytorch_model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
@@ -73,16 +73,16 @@ def test_a_changed_missing_or_extra_file_is_named(quick_runs, tmp_path):
     with pytest.raises(
         ValueError, match=r"vae/diffusion_pytorch_model.safetensors: SHA-256 .* but the manifest"
     ):
-        trained_wan.verify_manifest(copy)
+        training_command.verify_manifest(copy)
     weights.unlink()
     (copy / "notes.txt").write_text("x")
     with pytest.raises(ValueError) as error:
-        trained_wan.verify_manifest(copy)
+        training_command.verify_manifest(copy)
     assert "vae/diffusion_pytorch_model.safetensors: missing" in str(error.value)
     assert "notes.txt: not in the manifest" in str(error.value)
-    (copy / trained_wan.MANIFEST).unlink()
+    (copy / training_command.MANIFEST).unlink()
     with pytest.raises(ValueError, match=r"no TRAINING.json"):
-        trained_wan.verify_manifest(copy)
+        training_command.verify_manifest(copy)
 
 
 def test_quick_flag_refuses_to_overwrite_the_shipped_weights(capsys):
@@ -95,7 +95,7 @@ def test_the_shipped_pipeline_is_what_its_manifest_records():
     """The trained weights the demo distribution carries: every file byte for byte as the training
     command wrote it, within the size budget, and a recorded BF16 prompt accuracy on seen prompts and
     unseen seeds no lower than the shipped model's (85.4 %; the task's goal is 90 %: docs/quality.md)."""
-    manifest = trained_wan.verify_manifest(trained_wan.SHIPPED)
+    manifest = training_command.verify_manifest(trained_wan.SHIPPED)
     size = sum((trained_wan.SHIPPED / name).stat().st_size for name in manifest["sha256"])
     assert size <= 30 * 10**6, size
     assert manifest["configs"]["transformer"] == trained_wan.TRANSFORMER_CONFIG

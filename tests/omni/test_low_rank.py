@@ -180,17 +180,6 @@ def test_fused_qkv_from_one_checkpoint_tensor_splits_it_into_pieces(vllm_env):
 # --------------------------------------------------------------------------------- tensor parallel
 
 
-@pytest.fixture
-def as_rank(monkeypatch):
-    import vllm.model_executor.layers.linear as linear
-
-    def set_rank(rank: int, size: int) -> None:
-        monkeypatch.setattr(linear, "get_tensor_model_parallel_rank", lambda: rank)
-        monkeypatch.setattr(linear, "get_tensor_model_parallel_world_size", lambda: size)
-
-    return set_rank
-
-
 @pytest.mark.parametrize("method", ["mxfp4", "mxfp4_dualscale"])
 def test_row_parallel_ranks_hold_slices_of_tp1s_pair(vllm_env, as_rank, method):
     """Each rank splits the whole weight as TP=1 does and keeps its K columns of L1 and all of L2: its

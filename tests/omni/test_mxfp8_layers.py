@@ -108,17 +108,6 @@ def test_fused_qkv_loads_three_mxfp8_pieces_and_refuses_an_mxfp4_piece(vllm_env)
         load(half, "weight", quantize_mx(pieces["k"]["weight"].float())[0], "k")
 
 
-@pytest.fixture
-def as_rank(monkeypatch):
-    import vllm.model_executor.layers.linear as linear
-
-    def set_rank(rank: int, size: int) -> None:
-        monkeypatch.setattr(linear, "get_tensor_model_parallel_rank", lambda: rank)
-        monkeypatch.setattr(linear, "get_tensor_model_parallel_world_size", lambda: size)
-
-    return set_rank
-
-
 @pytest.mark.parametrize("k,tp", [(256, 2), (192, 4)])
 def test_row_parallel_shards_slice_weight_and_scale_and_sum_to_tp1(vllm_env, as_rank, monkeypatch, k, tp):
     """Each rank loads its K range of the (N, K) weight and the scales of the blocks it touches; its

@@ -22,17 +22,6 @@ from vllm_omni_mxfp4.kernels.emulated import aligned
 pytestmark = pytest.mark.omni
 
 
-@pytest.fixture
-def as_rank(monkeypatch):
-    import vllm.model_executor.layers.linear as linear
-
-    def set_rank(rank: int, size: int) -> None:
-        monkeypatch.setattr(linear, "get_tensor_model_parallel_rank", lambda: rank)
-        monkeypatch.setattr(linear, "get_tensor_model_parallel_world_size", lambda: size)
-
-    return set_rank
-
-
 def _data(k, n=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)

@@ -50,7 +50,8 @@ from tqdm import tqdm
 
 from vllm_omni_mxfp4_tiny.engine_job import Job, model_boundary_ratio
 from vllm_omni_mxfp4_tiny.runner import RunFailed, end_running_commands, run_engine_job
-from vllm_omni_mxfp4_tiny.trained_wan import MANIFEST, SHIPPED, verify_manifest
+from vllm_omni_mxfp4_tiny.trained_wan import SHIPPED
+from vllm_omni_mxfp4_tiny.training_command import MANIFEST, verify_manifest
 
 from . import nvfp4_quality, report
 from .media import video_frames

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_omni_mxfp4_tiny import trained_flux, trained_wan
+from vllm_omni_mxfp4_tiny import trained_flux, trained_wan, training_command
 from vllm_omni_mxfp4_tiny.task import TRAINING_SEEDS
 
 from . import accuracy
@@ -82,7 +82,7 @@ KINDS: tuple[TrainedModel, ...] = (WAN, FLUX)
 def trained_model(model: Path) -> TrainedModel | None:
     """The kind of trained tiny pipeline ``model`` is (its manifest's ``command``), None without a
     manifest; a ``ValueError`` naming the file for a manifest the demo cannot read or does not know."""
-    path = Path(model) / trained_wan.MANIFEST
+    path = Path(model) / training_command.MANIFEST
     if not path.is_file():
         return None
     try:

@@ -69,15 +69,13 @@ from pathlib import Path
 from typing import Any
 
 from . import training_command
-from .training_command import (  # noqa: F401 (the manifest's rules, re-exported)
+from .training_command import (
     MANIFEST,
     StageClock,
     accuracy_record,
-    file_hashes,
     final_loss,
     library_versions,
     recipe_record,
-    verify_manifest,
     write_manifest,
 )
 

@@ -18,7 +18,8 @@ from fixed seeds, in four stages (:mod:`.training` has the loops):
 It then measures prompt accuracy (:mod:`.detect`) with diffusers' own ``WanPipeline`` on seeds never
 used in training (FP32 compute of the BF16 weights), writes the pipeline with ``save_pretrained``
 (transformers in BF16, as Wan2.2 ships them), and records the recipe, the measured numbers and the
-SHA-256 of every file in :data:`MANIFEST` next to them; :func:`verify_manifest` checks a directory
+SHA-256 of every file in :data:`~.training_command.MANIFEST` next to them;
+:func:`~.training_command.verify_manifest` checks a directory
 against its manifest.
 
 Sizes: 32x32 pixels and :data:`FRAMES` frames give 6 x 16 x 16 latents and, with 4x4 patches, 96
@@ -48,15 +49,13 @@ from pathlib import Path
 from typing import Any
 
 from . import training_command
-from .training_command import (  # noqa: F401 (the manifest's rules, re-exported)
+from .training_command import (
     MANIFEST,
     StageClock,
     accuracy_record,
-    file_hashes,
     final_loss,
     library_versions,
     recipe_record,
-    verify_manifest,
     write_manifest,
 )
 
