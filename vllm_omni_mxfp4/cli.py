@@ -144,6 +144,12 @@ def format_merge_summary(report) -> str:
                 f"    W8A8 MXFP8: {len(t.mxfp8_layers)} layers kept (mxfp8_layers), "
                 f"{len(t.mxfp8_to_bf16)} taken from the BF16 original"
             )
+        if t.low_rank_layers:
+            ranks = sorted(set(t.low_rank_layers.values()))
+            lines.append(
+                f"    low-rank pairs (svd_res): {len(t.low_rank_layers)} layers, rank "
+                f"{'/'.join(map(str, ranks))} (svd_lowrank_layers)"
+            )
         lines.extend(
             f"    attention {a}: FA3 {d} in the export, runs BF16" for a, d in t.fa3_attention.items()
         )

@@ -13,6 +13,7 @@ cannot differ between the code that writes a checkpoint and the code that loads 
   ``torch``), so the loader and the merge flag the same bad values.
 - :func:`checkpoint_tensors`: the tensors of each format (``mxfp4``, ``mxfp4_dualscale``, and
   ``mxfp8``: the W8A8 MXFP8 layers a checkpoint lists in ``mxfp8_layers``).
+- :func:`low_rank_tensors`: the stored low-rank pair of a Linear that ``svd_lowrank_layers`` lists.
 """
 
 from __future__ import annotations
@@ -287,6 +288,30 @@ MUL_SCALE_REQUIRED = CheckpointTensor(
     "mul_scale", MUL_SCALE.dtypes, "(K,)", lambda n, k: (k,), 0, 1, "smooth", required=True
 )
 BIAS = CheckpointTensor("bias", FLOAT_DTYPES, "(N,)", lambda n, k: (n,), None, 1, "finite", required=False)
+
+LOW_RANK_DTYPES = ("BF16", "F16", "F32")
+"""safetensors dtypes a stored low-rank pair may have: msModelSlim's ``svd_res`` writes the pair in its
+Linear's original weight dtype (BF16 for the Wan2.2 experts); the runtime computes the branch in the
+activation dtype."""
+
+
+def low_rank_tensors(rank: int) -> tuple[CheckpointTensor, CheckpointTensor]:
+    """The records of a stored rank-``rank`` low-rank pair (msModelSlim's ``svd_res``):
+    ``svd_lowrank_l1 = V^T`` ``(rank, K)``, which a row-parallel shard slices along K like the
+    weight, and ``svd_lowrank_l2 = U * S`` ``(N, rank)``, which it keeps whole (a column-parallel shard
+    keeps its rows, as of every ``(N, ...)`` tensor). Both must be finite. The pair belongs to a
+    quantized Linear of either MXFP4 format; the checkpoint's ``svd_lowrank_layers`` gives each
+    Linear's rank."""
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"a low-rank pair needs a rank >= 1, got {rank!r}")
+    l1 = CheckpointTensor(
+        LOW_RANK_L1, LOW_RANK_DTYPES, f"({rank}, K)", lambda n, k: (rank, k), 1, 1, "finite", required=True
+    )
+    l2 = CheckpointTensor(
+        LOW_RANK_L2, LOW_RANK_DTYPES, f"(N, {rank})", lambda n, k: (n, rank), None, 1, "finite", required=True
+    )
+    return l1, l2
+
 
 FORMAT_TENSORS: dict[str, tuple[CheckpointTensor, ...]] = {
     "mxfp4": (WEIGHT_FP4, WEIGHT_SCALE, MUL_SCALE, BIAS),

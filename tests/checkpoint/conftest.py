@@ -211,3 +211,48 @@ def merged_recipes(tmp_path_factory, w4a4f4_export, w4a4f8_export) -> dict[str, 
         report = merge("auto", scenario.original, scenario.quant, out / name, mxfp8_layers=policy)
         merged[name] = out / name, report
     return merged
+
+
+# msModelSlim's svd_res processor (issue #26) -------------------------------------------------------
+
+#: svd_res before the quantizer: transformer single-scale rank 16, transformer_2 DualScale rank 8. Each
+#: covers a fused Q/K/V, Linears of both TP kinds and plain-quantized and smoothed Linears beside them;
+#: blocks 0 (transformer) and 2 (transformer_2) stay FLOAT.
+SVD_SPECS = {
+    "transformer": ExpertSpec(
+        "single",
+        "ascendv1",
+        exclude=["*blocks.0.*", *NON_BLOCK_EXCLUDES],
+        smooth=[["blocks.2.cross_attn.q"]],
+        svd=["blocks.1.*", "blocks.2.self_attn.*", "blocks.2.ffn.*"],
+        svd_rank=16,
+    ),
+    "transformer_2": ExpertSpec(
+        "dual",
+        "ascendv1",
+        exclude=["*blocks.2.*", *NON_BLOCK_EXCLUDES],
+        smooth=[["blocks.1.ffn.0"]],
+        svd=["blocks.0.*", "blocks.1.self_attn.*", "blocks.1.cross_attn.*", "blocks.1.ffn.2"],
+        svd_rank=8,
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def svd_export(tmp_path_factory, tiny_pipeline) -> Scenario:
+    return _export(tmp_path_factory, tiny_pipeline, SVD_SPECS, "svd")
+
+
+@pytest.fixture(scope="session")
+def merged_svd(tmp_path_factory, svd_export) -> tuple[Path, MergeReport]:
+    out = tmp_path_factory.mktemp("merged") / "svd"
+    return out, merge("Wan2.2-T2V-A14B", svd_export.original, svd_export.quant, out)
+
+
+@pytest.fixture
+def svd_copy(tmp_path, svd_export):
+    """A writable copy of the svd_res pipeline + export, for fault injection."""
+    original, quant = tmp_path / "orig", tmp_path / "quant"
+    shutil.copytree(svd_export.original, original)
+    shutil.copytree(svd_export.quant, quant)
+    return original, quant

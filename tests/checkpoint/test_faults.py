@@ -38,7 +38,7 @@ def test_missing_expert_directory(expert_copy, tmp_path):
     assert_refused(expert_copy, tmp_path, r"quantized export directory .*low_noise_model does not exist")
 
 
-@pytest.mark.parametrize("label", ["W8A8_DYNAMIC", "W4A4_MXFP4_SVD", "W4A8_MXFP", "BF16"])
+@pytest.mark.parametrize("label", ["W8A8_DYNAMIC", "W4A4_MXFP4_FLATQUANT", "W4A8_MXFP", "BF16"])
 def test_unknown_description_label(expert_copy, tmp_path, label):
     message = rf"tensor '{OPROJ}.weight_scale' has unsupported description label '{label}'"
     assert_refused(expert_copy, tmp_path, message, relabel(f"{OPROJ}.weight_scale", label))

@@ -39,33 +39,6 @@ from ..formats import reference
 
 pytestmark = pytest.mark.omni
 
-# vLLM-Omni runtime Linear (suffix inside a block) -> the original Wan Linears msModelSlim quantized.
-RUNTIME_TO_ORIGINAL = {
-    "attn1.to_qkv": ("self_attn.q", "self_attn.k", "self_attn.v"),
-    "attn1.to_out": ("self_attn.o",),
-    "attn2.to_q": ("cross_attn.q",),
-    "attn2.to_k": ("cross_attn.k",),
-    "attn2.to_v": ("cross_attn.v",),
-    "attn2.to_out": ("cross_attn.o",),
-    "ffn.net_0.proj": ("ffn.0",),
-    "ffn.net_2": ("ffn.2",),
-}
-
-
-def _msmodelslim_layers(model, linears: dict[str, torch.nn.Module]) -> dict[str, list[torch.nn.Module]]:
-    """The runtime Linears whose every part msModelSlim quantized, each with msModelSlim's modules."""
-    from vllm.model_executor.layers.linear import LinearBase
-
-    found = {}
-    for name, layer in model.named_modules():
-        if not isinstance(layer, LinearBase) or not name.startswith("blocks."):
-            continue
-        block, suffix = name.split(".", 2)[1], name.split(".", 2)[2]
-        modules = [linears.get(f"blocks.{block}.{o}") for o in RUNTIME_TO_ORIGINAL[suffix]]
-        if all(m is not None for m in modules):
-            found[name] = modules
-    return found
-
 
 def _ours(vllm_env, merged):
     """The merged checkpoint through vLLM-Omni's loader: emulated kernels with their default (hardware)
@@ -95,7 +68,7 @@ def test_transformer_output_equals_msmodelslims_model(vllm_env, merged_recipes, 
     seen = hw.capture(quantized_layers(ours))
     got = forward(vllm_env, ours)
     reference, linears = _reference(vllm_env, w4a4f4_export, merged_name)
-    layers = _msmodelslim_layers(reference, linears)
+    layers = hw.msmodelslim_layers(reference, linears)
     assert len(layers) == expected_quantized
     hw.install(reference, layers)
     want = forward(vllm_env, reference)

@@ -7,7 +7,9 @@ ties rounded half away from zero, the MXFP4 exponent ``floor(log2(amax * 8/7 + 9
 clamp at 480, the DualScale coarse scale ``amax / 6`` divided in float32. The NPU kernels, and so ours,
 follow the OCP / ``npu_dynamic_mx_quant`` rules written in docs/kernels.md. :func:`hardware_activations`
 runs msModelSlim's own forward unchanged (its weight dequantization, its ``F.linear`` and dtypes) and
-swaps only the activation operand of that ``F.linear`` for the hardware rule's result on the same input.
+swaps only the activation operand of that ``F.linear`` for the hardware rule's result on the same input;
+the Linear's output is rounded to the input's dtype, as every kernel writes it (msModelSlim's DualScale
+module returns float32, which a wrapper around it, ``svd_res``'s, would otherwise add to in float32).
 
 The hardware rule here is a vectorised float64 transcription of ``tests/formats/reference.py`` (the
 FLOOR scale rule, E2M1 / E4M3 round-to-nearest-even with saturation, the dual-level kernel's
@@ -114,7 +116,9 @@ def hardware_activations(modules: list[torch.nn.Module]) -> Iterator[None]:
 
         def forward(x):
             current["x"] = rule(x)
-            return original(x)
+            # The dual-level GEMM writes the activation's dtype (bf16/fp16); msModelSlim's DualScale
+            # module returns its float32 product, which matters where a wrapper adds to it (svd_res).
+            return original(x).to(x.dtype)
 
         return original, forward
 
@@ -131,6 +135,34 @@ def hardware_activations(modules: list[torch.nn.Module]) -> Iterator[None]:
             ir.F = functional
         for m in modules:
             del m.forward  # the instance attribute set above; the class's forward shows again
+
+
+# vLLM-Omni runtime Linear (suffix inside a block) -> the original Wan Linears msModelSlim quantized.
+RUNTIME_TO_ORIGINAL = {
+    "attn1.to_qkv": ("self_attn.q", "self_attn.k", "self_attn.v"),
+    "attn1.to_out": ("self_attn.o",),
+    "attn2.to_q": ("cross_attn.q",),
+    "attn2.to_k": ("cross_attn.k",),
+    "attn2.to_v": ("cross_attn.v",),
+    "attn2.to_out": ("cross_attn.o",),
+    "ffn.net_0.proj": ("ffn.0",),
+    "ffn.net_2": ("ffn.2",),
+}
+
+
+def msmodelslim_layers(model, linears: dict[str, torch.nn.Module]) -> dict[str, list[torch.nn.Module]]:
+    """The runtime Linears whose every part msModelSlim quantized, each with msModelSlim's modules."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    found = {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LinearBase) or not name.startswith("blocks."):
+            continue
+        block, suffix = name.split(".", 2)[1], name.split(".", 2)[2]
+        modules = [linears.get(f"blocks.{block}.{o}") for o in RUNTIME_TO_ORIGINAL[suffix]]
+        if all(m is not None for m in modules):
+            found[name] = modules
+    return found
 
 
 def install(model: torch.nn.Module, modules_by_layer: dict[str, list[torch.nn.Module]]) -> None:

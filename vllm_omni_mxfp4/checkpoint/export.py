@@ -11,9 +11,12 @@ msModelSlim 26.1 writes one directory per transformer (per expert for the two-ex
   (the shards keep the generic prefix).
 
 The description maps every saved tensor to a label: ``FLOAT`` or the quantization type of its layer.
-Only ``FLOAT``, ``W4A4_MXFP4``, ``W4A4_MXFP4_DUALSCALE`` and ``W8A8_MXFP8`` are accepted; one export
-holds at most one of the two MXFP4 types (the merged checkpoint's method), and msModelSlim's shipped
-Wan2.2 recipes add W8A8 MXFP8 layers (blocks 0-4) next to single-scale MXFP4 ones.
+Only ``FLOAT``, ``W4A4_MXFP4``, ``W4A4_MXFP4_DUALSCALE``, their ``_SVD`` forms and ``W8A8_MXFP8`` are
+accepted; one export holds at most one of the two MXFP4 formats (the merged checkpoint's method), and
+msModelSlim's shipped Wan2.2 recipes add W8A8 MXFP8 layers (blocks 0-4) next to single-scale MXFP4
+ones. An ``_SVD`` label marks a Linear that msModelSlim's ``svd_res`` processor wrapped: its weight is
+the residual, quantized as the base label says, and ``svd_lowrank_l1`` / ``svd_lowrank_l2`` (FLOAT)
+are its low-rank pair; only the ascendv1 saver writes them (the mindie_format saver drops the pair).
 
 Entries without a tensor: ``<attention>.quant_type`` records the FA3 (attention quantization) dtype
 of one attention, with dynamic scales (nothing stored); a top-level ``fa_quant_type`` is written only
@@ -36,14 +39,29 @@ logger = logging.getLogger(__name__)
 
 FLOAT_LABEL = "FLOAT"
 MXFP8_LABEL = "W8A8_MXFP8"
+#: The suffix msModelSlim's ascendv1 saver appends to the label of a Linear wrapped by its ``svd_res``
+#: processor (``on_svd_wrapper``: ``_SVD``, or ``_SVD_DYNAMIC`` in place of ``_DYNAMIC``); the Linear's
+#: weight is then the residual and the export stores its low-rank pair, labelled FLOAT.
+SVD_SUFFIX = "_SVD"
+_BASE_LABELS: dict[str, str] = {"W4A4_MXFP4": "mxfp4", "W4A4_MXFP4_DUALSCALE": "mxfp4_dualscale"}
+#: msModelSlim's SVD labels (a residual plus a stored low-rank pair) -> the label without the suffix.
+SVD_LABELS: dict[str, str] = {f"{label}{SVD_SUFFIX}": label for label in _BASE_LABELS}
 #: msModelSlim label -> vLLM-Omni ``quant_method``.
-QUANT_LABELS: dict[str, str] = {"W4A4_MXFP4": "mxfp4", "W4A4_MXFP4_DUALSCALE": "mxfp4_dualscale"}
+QUANT_LABELS: dict[str, str] = {
+    **_BASE_LABELS,
+    **{svd: _BASE_LABELS[base] for svd, base in SVD_LABELS.items()},
+}
+#: The labels whose Linears msModelSlim's ascendv1 saver writes the bias under (``on_w4a4_mx_dynamic_dual_scale``
+#: writes ``prefix + ".bias"`` with ``"W4A4_MXFP4_DUALSCALE"``; the SVD wrapper appends ``_SVD`` to it);
+#: every other writer of both savers labels a bias FLOAT.
+ASCENDV1_LABELLED_BIAS = tuple(label for label, method in QUANT_LABELS.items() if method == "mxfp4_dualscale")
 #: msModelSlim label -> the format of :mod:`vllm_omni_mxfp4.spec` its Linears are stored in.
 LAYER_FORMATS: dict[str, str] = {**QUANT_LABELS, MXFP8_LABEL: "mxfp8"}
 SUPPORTED_LABELS = (FLOAT_LABEL, *LAYER_FORMATS)
 #: Tensors msModelSlim always labels FLOAT, whatever their Linear's format (its savers'
-#: ``write_tensor(prefix + ".bias", "FLOAT", ...)`` and ``(".div.mul_scale", "FLOAT", ...)``).
-FLOAT_ONLY_LEAVES = ("bias", "mul_scale")
+#: ``write_tensor(prefix + ".bias", "FLOAT", ...)``, ``(".div.mul_scale", "FLOAT", ...)`` and the SVD
+#: wrapper's ``write_tensor(name, "FLOAT", param)`` for its pair).
+FLOAT_ONLY_LEAVES = ("bias", "mul_scale", spec.LOW_RANK_L1, spec.LOW_RANK_L2)
 #: The method of an export whose only quantized label is W8A8 MXFP8 (the recipes' method is ``mxfp4``).
 MXFP8_ONLY_METHOD = "mxfp4"
 #: The recipe element that writes each supported label, for the message refusing any other label.
@@ -172,7 +190,16 @@ def _read_description(description: Path) -> _Description:
     return found
 
 
-def _check_labelled_tensors(description: Path, labels: dict[str, str], tensors: dict[str, TensorRef]) -> None:
+def bias_labels(saver: str, layer_label: str) -> tuple[str, ...]:
+    """The labels msModelSlim's ``saver`` gives the bias of a Linear whose weight is ``layer_label``."""
+    if saver == "ascendv1" and layer_label in ASCENDV1_LABELLED_BIAS:
+        return (FLOAT_LABEL, layer_label)
+    return (FLOAT_LABEL,)
+
+
+def _check_labelled_tensors(
+    description: Path, labels: dict[str, str], tensors: dict[str, TensorRef], saver: str
+) -> None:
     """Every described tensor is stored, every stored tensor is described, every label is supported."""
     for name in labels:
         if name not in tensors:
@@ -181,13 +208,22 @@ def _check_labelled_tensors(description: Path, labels: dict[str, str], tensors: 
         if name not in labels:
             raise CheckpointError(f"{ref.path}: tensor {name!r} has no label in {description.name}")
     for name, label in labels.items():
+        if label == f"{MXFP8_LABEL}{SVD_SUFFIX}":
+            raise CheckpointError(
+                f"{description}: tensor {name!r} is labelled {label}, a W8A8 MXFP8 Linear with an svd_res "
+                "low-rank pair; the branch is supported on W4A4 MXFP4 and DualScale Linears only. Exclude the "
+                "MXFP8 layers from the svd_res step (its exclude list) and re-export"
+            )
         if label not in SUPPORTED_LABELS:
             raise CheckpointError(
                 f"{description}: tensor {name!r} has unsupported description label {label!r}; "
                 f"supported labels: {', '.join(SUPPORTED_LABELS)} ({_LABEL_SOURCES})"
             )
     for name, label in labels.items():
-        if name.rpartition(".")[2] in FLOAT_ONLY_LEAVES and label != FLOAT_LABEL:
+        leaf = name.rpartition(".")[2]
+        if leaf == "bias" and label in bias_labels(saver, label):
+            continue
+        if leaf in FLOAT_ONLY_LEAVES and label != FLOAT_LABEL:
             raise CheckpointError(
                 f"{description}: tensor {name!r} is labelled {label}; msModelSlim labels every "
                 f"{name.rpartition('.')[2]} FLOAT (its savers quantize only weights and their scales): the "
@@ -204,10 +240,11 @@ def _quantization_labels(description: Path, labels: dict[str, str]) -> tuple[str
             f"{description}: no tensor is quantized (every label is FLOAT); nothing to merge"
         )
     mxfp4 = [label for label in used if label in QUANT_LABELS]
-    if len(mxfp4) > 1:
+    if len({QUANT_LABELS[label] for label in mxfp4}) > 1:
         first = {label: next(n for n, v in labels.items() if v == label) for label in mxfp4}
         shown = " and ".join(f"{label} (e.g. {first[label]!r})" for label in mxfp4)
         raise CheckpointError(f"{description}: mixes {shown}; a transformer must use one MXFP4 format")
+    mxfp4 = [SVD_LABELS.get(label, label) for label in mxfp4]  # the method's label, without _SVD
     method_label = mxfp4[0] if mxfp4 else next(k for k, v in QUANT_LABELS.items() if v == MXFP8_ONLY_METHOD)
     return method_label, used
 
@@ -220,10 +257,10 @@ def read_export(directory: Path) -> QuantExport:
     found = _read_description(description)
     files, index = _find_weights(directory)
     tensors = open_archive(files, index)
-    _check_labelled_tensors(description, found.labels, tensors)
+    saver = "ascendv1" if "version" in found.metadata else "mindie_format"
+    _check_labelled_tensors(description, found.labels, tensors, saver)
     label, used = _quantization_labels(description, found.labels)
     _check_metadata(description, found.metadata, used)
-    saver = "ascendv1" if "version" in found.metadata else "mindie_format"
     return QuantExport(
         directory, description, saver, label, QUANT_LABELS[label], found.labels, tensors, found.fa_markers
     )

@@ -46,6 +46,7 @@ from .validate import (
     MXFP8,
     MXFP8_POLICIES,
     NON_BLOCK_POLICIES,
+    PAIR_LEAVES,
     Layers,
     MergeInputs,
 )
@@ -93,6 +94,8 @@ class TransformerReport:
     fa3_attention: dict[str, str]
     #: The online rotation record written to the config (``None``: the export has none).
     online_rotation: dict | None
+    #: Runtime Linears with a stored low-rank pair (msModelSlim ``svd_res``) -> rank (``svd_lowrank_layers``).
+    low_rank_layers: dict[str, int]
     tensors: int
     tensors_from_original: int
     bytes_in: int
@@ -175,7 +178,7 @@ def _add_quantized_tensors(inputs: MergeInputs, layer: str, layout: str, out: _O
         if leaf not in tensors:
             continue
         ref, label = tensors[leaf].ref, tensors[leaf].label
-        if ref.dtype in ("U8", "F32"):
+        if ref.dtype in ("U8", "F32") or leaf in PAIR_LEAVES:  # a pair stays in its stored dtype
             out.copy(f"{layer}.{leaf}", ref, label)
         else:  # a BF16 / F16 Smooth vector, widened exactly: the runtime reads float32
             out.add(OutputTensor(f"{layer}.{leaf}", "F32", ref.shape, WidenToF32(ref)), ref, label)
@@ -227,6 +230,17 @@ def _quantization_config(
 
 def _runtime_names(layers: list[str], names: ModelNames) -> list[str]:
     return sorted({names.runtime_layer_name(layer) for layer in layers}, key=layer_order)
+
+
+def _low_rank_layers(inputs: MergeInputs, layers: Layers) -> dict[str, int]:
+    """``svd_lowrank_layers``: the rank of each runtime Linear whose pieces carry a stored pair (the
+    pieces of a fused Linear share one rank: :meth:`MergeInputs.check_fused_qkv`)."""
+    ranks = {}
+    for layer in layers.quantized:
+        rank = inputs.layer_rank(layer)
+        if rank:
+            ranks[inputs.names.runtime_layer_name(layer)] = rank
+    return {name: ranks[name] for name in sorted(ranks, key=layer_order)}
 
 
 def _fa3_attention(inputs: MergeInputs) -> dict[str, str]:
@@ -324,6 +338,7 @@ def _report(
         mxfp8_to_bf16=_runtime_names(to_bf16, inputs.names),
         fa3_attention=_fa3_attention(inputs),
         online_rotation=quant.get("online_rotation"),
+        low_rank_layers=dict(quant.get("svd_lowrank_layers", {})),
         tensors=len(out.tensors),
         tensors_from_original=out.from_original,
         bytes_in=out.bytes_in,
@@ -369,6 +384,9 @@ def plan_transformer(
     rotation = _online_rotation(inputs)
     if rotation is not None:
         extra["online_rotation"] = rotation
+    low_rank = _low_rank_layers(inputs, layers)
+    if low_rank:
+        extra["svd_lowrank_layers"] = low_rank
     quant = _quantization_config(
         inputs.export.quant_method, _runtime_names(layers.bf16, names), require_smooth, extra
     )

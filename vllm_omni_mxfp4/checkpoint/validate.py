@@ -50,7 +50,7 @@ from ..safetensors_io import (
     first_difference,
     first_nonfinite,
 )
-from .export import FLOAT_LABEL, LAYER_FORMATS, QuantExport
+from .export import FLOAT_LABEL, LAYER_FORMATS, SVD_LABELS, QuantExport, bias_labels
 from .rotation import ROWS_COMPARED, Rotations, decode_rows, is_rotation_record, read_rows
 
 logger = logging.getLogger(__name__)
@@ -62,13 +62,17 @@ MXFP8 = "mxfp8"
 MUL_SCALE = spec.MUL_SCALE.name
 #: The tensors the BF16 original has for a Linear; the quantized formats add the others.
 _ORIGINAL_LEAVES = ("weight", "bias")
-#: Tensors a quantized Linear adds to the original's (in table order): scales and the Smooth vector.
-ADDED_LEAVES = tuple(
-    dict.fromkeys(
+#: The low-rank pair of a Linear msModelSlim's ``svd_res`` wrapped (:func:`vllm_omni_mxfp4.spec.low_rank_tensors`).
+PAIR_LEAVES = (spec.LOW_RANK_L1, spec.LOW_RANK_L2)
+#: Tensors a quantized Linear adds to the original's (in table order): scales, the Smooth vector and
+#: a stored low-rank pair.
+ADDED_LEAVES = (
+    *dict.fromkeys(
         t.name for fmt in spec.FORMATS for t in spec.checkpoint_tensors(fmt) if t.name not in _ORIGINAL_LEAVES
-    )
+    ),
+    *PAIR_LEAVES,
 )
-_SCALE_LEAVES = tuple(leaf for leaf in ADDED_LEAVES if leaf != MUL_SCALE)
+_SCALE_LEAVES = tuple(leaf for leaf in ADDED_LEAVES if leaf != MUL_SCALE and leaf not in PAIR_LEAVES)
 #: The value rule of every unquantized tensor (norms, biases, modulation tables, embedders, the
 #: weights of Linears kept in BF16): the spec table's ``finite`` rule, as for a quantized Linear's bias.
 UNQUANTIZED_VALUES = spec.VALUE_RULES[spec.BIAS.values]
@@ -104,13 +108,17 @@ WRITTEN_DTYPES = {
     "in it: iter_smooth's compute_smooth_scale casts to the weight's dtype)",
     "bias": "for the bias of a quantized Linear (both savers write it .to(torch.float32))",
     "weight_dual_scale": "for DualScale coarse scales (the savers write them .to(torch.float32))",
+    **dict.fromkeys(
+        PAIR_LEAVES,
+        "for a low-rank pair: its Linear's original weight dtype (svd_res casts the pair to the weight's dtype)",
+    ),
 }
 
 
 def written_dtype(leaf: str, original_weight_dtype: str) -> str | None:
     """The safetensors dtype msModelSlim writes tensor ``leaf`` of a quantized Linear in (None: not a
     float tensor of fixed dtype), given the dtype of the Linear's original weight."""
-    if leaf == MUL_SCALE:
+    if leaf == MUL_SCALE or leaf in PAIR_LEAVES:
         return original_weight_dtype
     return "F32" if leaf in WRITTEN_DTYPES else None
 
@@ -151,12 +159,13 @@ def check_streamed_values(ref: TensorRef, what: str) -> None:
         raise _fail(ref, what, f"holds {value} at {at}; expected {rule.expected}; usual cause: {rule.cause}")
 
 
-def _allowed_labels(leaf: str, label: str) -> tuple[str, ...]:
-    """The description labels msModelSlim gives tensor ``leaf`` of a Linear quantized as ``label``."""
-    if leaf == MUL_SCALE:
+def _allowed_labels(leaf: str, label: str, saver: str) -> tuple[str, ...]:
+    """The description labels msModelSlim's ``saver`` gives tensor ``leaf`` of a Linear quantized as
+    ``label``."""
+    if leaf == MUL_SCALE or leaf in PAIR_LEAVES:
         return (FLOAT_LABEL,)
     if leaf == "bias":
-        return (FLOAT_LABEL,)  # msModelSlim labels biases FLOAT (the reader refuses others first)
+        return bias_labels(saver, label)
     return (label,)
 
 
@@ -323,6 +332,14 @@ class MergeInputs:
             raise CheckpointError(f"{context}: quantized layer is missing its weight tensor")
         if scales:
             raise CheckpointError(f"{context}: labelled FLOAT but has {', '.join(scales)}")
+        pair = [leaf for leaf in PAIR_LEAVES if leaf in tensors]
+        if pair:
+            raise CheckpointError(
+                f"{context}: kept in BF16 (its weight is labelled FLOAT) but carries a low-rank pair "
+                f"({', '.join(tensors[leaf].export_name for leaf in pair)}); a BF16 Linear has its whole weight, "
+                "and the pair would be added twice. Exclude the layer from msModelSlim's svd_res step, or "
+                "quantize it too, and re-export"
+            )
         if MUL_SCALE in tensors:
             raise CheckpointError(
                 f"{context}: kept in BF16 but carries a Smooth scale ({tensors[MUL_SCALE].export_name}); "
@@ -342,11 +359,12 @@ class MergeInputs:
         tensors = self.by_layer[layer]
         context = self._layer_context(layer)
         label = self.layer_label(layer)
-        records = spec.checkpoint_tensors(self.layer_format(layer))
+        records = self.layer_records(layer)
         for record in records:
             t = tensors.get(record.name)
-            if t is not None and t.label not in _allowed_labels(record.name, label):
-                expected = " or ".join(_allowed_labels(record.name, label))
+            allowed = _allowed_labels(record.name, label, self.export.saver)
+            if t is not None and t.label not in allowed:
+                expected = " or ".join(allowed)
                 raise _fail(t.ref, record.name, f"is labelled {t.label}; expected {expected}")
             if t is None and record.required and record.name != MUL_SCALE:
                 raise CheckpointError(
@@ -364,11 +382,68 @@ class MergeInputs:
         if "bias" in tensors and not has_bias:
             raise _fail(tensors["bias"].ref, "bias", "exists but the original Linear has no bias")
 
+    def layer_rank(self, layer: str) -> int:
+        """The rank of a Linear's stored low-rank pair (rows of ``svd_lowrank_l1``); 0 without one."""
+        l1 = self.by_layer.get(layer, {}).get(spec.LOW_RANK_L1)
+        return int(l1.ref.shape[0]) if l1 is not None and len(l1.ref.shape) == 2 else 0
+
+    def layer_records(self, layer: str) -> tuple[spec.CheckpointTensor, ...]:
+        """The checkpoint tensors of a quantized Linear: its format's, and the low-rank pair's where its
+        label is an SVD one (``W4A4_MXFP4_SVD``)."""
+        records = spec.checkpoint_tensors(self.layer_format(layer))
+        if self.layer_label(layer) in SVD_LABELS:
+            records = (*records, *spec.low_rank_tensors(max(self.layer_rank(layer), 1)))
+        return records
+
+    def check_low_rank_scope(self, layer: str) -> None:
+        """A stored pair sits on a Linear labelled ``_SVD`` (and back), and never next to a Smooth vector.
+
+        msModelSlim's ``svd_res`` with a non-fusion Smooth on the same Linear writes a model whose branch
+        and residual disagree: with the Smooth step first, the wrapper applies the branch to the raw input
+        but decomposed the smoothed weight; with ``svd_res`` first, it applies the branch to the smoothed
+        input but decomposed the unsmoothed weight (``SVDResidualWrapper`` and
+        ``NonFusionSmoothQuantWrapper`` nest in the order their hooks were registered). Either way the
+        Linear no longer computes the original, so the combination is refused."""
+        tensors = self.by_layer.get(layer, {})
+        pair = [leaf for leaf in PAIR_LEAVES if leaf in tensors]
+        if not pair:
+            if self.layer_label(layer) in SVD_LABELS:
+                raise CheckpointError(
+                    f"{self._layer_context(layer)}: labelled {self.layer_label(layer)} (a residual next to a "
+                    f"low-rank pair), but {self._export_layer(layer)}.{spec.LOW_RANK_L1}/{spec.LOW_RANK_L2} are "
+                    "missing: without the pair the residual alone is not the layer; re-export with msModelSlim's "
+                    "ascendv1 saver (it writes the pair)"
+                )
+            return
+        if MUL_SCALE in tensors:
+            raise CheckpointError(
+                f"{self._layer_context(layer)}: carries a low-rank pair and a Smooth scale "
+                f"({tensors[MUL_SCALE].export_name}). msModelSlim nests its svd_res and Smooth wrappers so that "
+                "the branch sees one input and was decomposed from the other weight (Smooth before svd_res: the "
+                "branch gets the raw input but holds the smoothed weight; svd_res first: the reverse), so this "
+                "Linear does not compute the original. Exclude the layer from one of the two steps and re-export"
+            )
+        if self.exported_quantized(layer) and self.layer_label(layer) not in SVD_LABELS:
+            raise CheckpointError(
+                f"{self._layer_context(layer)}: carries a low-rank pair but is labelled "
+                f"{self.layer_label(layer)}; msModelSlim labels a Linear with a pair {self.layer_label(layer)}_SVD "
+                "(the description was edited, or the pair belongs to other weights): export again"
+            )
+
     def check_quantized_layer(self, layer: str) -> None:
         """A quantized Linear's tensors against the format's table: set, labels, dtypes, shapes, values."""
         n, k = self._original_linear_shape(layer)
         self._check_tensor_set(layer)
-        records = spec.checkpoint_tensors(self.layer_format(layer))
+        records = self.layer_records(layer)
+        rank = self.layer_rank(layer)
+        if rank > min(n, k):
+            raise _fail(
+                self.by_layer[layer][spec.LOW_RANK_L1].ref,
+                spec.LOW_RANK_L1,
+                f"has rank {rank}, above min(N, K) = {min(n, k)} of the original Linear {layer} of shape "
+                f"[{n}, {k}]: a low-rank pair has at most that rank (msModelSlim's svd_res refuses it); the pair "
+                "belongs to another layer or the file is corrupt",
+            )
         if k % records[0].k_per_index:
             raise CheckpointError(
                 f"{self._layer_context(layer)}: K = {k} is odd and cannot hold packed FP4 pairs"
@@ -447,6 +522,13 @@ class MergeInputs:
                 )
             if done:
                 self._check_shared_smooth(context, members, short)
+                ranks = [self.layer_rank(layer) for layer in members]
+                if len(set(ranks)) > 1:
+                    shown = ", ".join(f"{s} rank {r}" for s, r in zip(short, ranks))
+                    raise CheckpointError(
+                        f"{context}: {'/'.join(short)} have low-rank pairs of different ranks ({shown}); vLLM-Omni "
+                        f"fuses them into {group}, whose pieces share one rank: run svd_res on them with one rank"
+                    )
 
     def _check_shared_smooth(self, context: str, members: list[str], short: list[str]) -> None:
         values = [self._smooth_vector(layer) for layer in members]
@@ -500,6 +582,7 @@ class MergeInputs:
         self.check_coverage()
         layers = Layers()
         for layer in self.linear_layers():
+            self.check_low_rank_scope(layer)
             self.check_smooth_wrapping(layer)
             if not self.exported_quantized(layer):
                 self.check_bf16_layer(layer)

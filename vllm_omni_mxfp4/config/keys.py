@@ -249,6 +249,23 @@ def check_layers(key: str, value: object) -> tuple[str, ...]:
     return tuple(sorted(set(value), key=layer_order))
 
 
+def check_low_rank_layers(key: str, value: object) -> dict[str, int]:
+    """The stored low-rank pairs of a pre-quantized checkpoint: ``{runtime Linear path: rank}`` (the
+    merge writes it from msModelSlim's ``svd_res`` export); ``None`` means none. In block order."""
+    if value is None:
+        return {}
+    shape = f"{key} must be an object mapping exact runtime Linear paths to ranks (integers >= 1)"
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{shape}, as the merge writes it. Got {show_value(value)}.")
+    for name, rank in value.items():
+        problem = layer_path_problem(name)
+        if problem is not None:
+            raise ValueError(f"{shape}. {problem}")
+        if not is_int(rank) or rank < 1:
+            raise ValueError(f"{shape}. Entry {name!r} has rank {show_value(rank)}.")
+    return {name: value[name] for name in sorted(value, key=layer_order)}
+
+
 ONLINE_ROTATION_FIELDS = ("layers", "applied", "reason")
 
 

@@ -30,6 +30,7 @@ from .keys import (
     check_bool,
     check_count,
     check_layers,
+    check_low_rank_layers,
     check_online_rotation,
     check_requant_rule,
     check_scale_alg,
@@ -65,11 +66,17 @@ class MethodConfig:
     EMPTY_ONLY_KEYS: ClassVar[Mapping[str, EmptyOnlyKey]] = MappingProxyType({})
     #: Keys written by :meth:`to_dict` only when non-empty, so that a config that does not use them
     #: serializes (and writes its checkpoint block) exactly as before they existed.
-    OMITTED_WHEN_EMPTY: ClassVar[tuple[str, ...]] = ("mxfp8_layers", "online_rotation", "svd_rank")
+    OMITTED_WHEN_EMPTY: ClassVar[tuple[str, ...]] = (
+        "mxfp8_layers",
+        "online_rotation",
+        "svd_rank",
+        "svd_lowrank_layers",
+    )
 
     ignored_layers: tuple[str, ...]
     mxfp8_layers: tuple[str, ...]
     svd_rank: int
+    svd_lowrank_layers: dict[str, int]
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -77,6 +84,34 @@ class MethodConfig:
         self._check_combination()
         self._check_mxfp8_layers()
         self._check_svd_rank()
+        self._check_svd_lowrank_layers()
+
+    def _check_svd_lowrank_layers(self) -> None:
+        """``svd_lowrank_layers`` describes the low-rank pairs a pre-quantized checkpoint stores: offline
+        only, each on a quantized MXFP4 Linear (not BF16, not MXFP8)."""
+        listed = self.svd_lowrank_layers
+        if not listed:
+            return
+        if not self.is_serialized:
+            raise ValueError(
+                f"svd_lowrank_layers {dict(listed)} names low-rank pairs that a pre-quantized checkpoint stores, "
+                f"but this {self.METHOD} config is online (it quantizes BF16 weights at load). For an "
+                f"msModelSlim svd_res export set {self.serialized_key()}: true (vllm-omni-mxfp4 merge writes both "
+                "keys); to compute a branch from BF16 weights at load use svd_rank instead."
+            )
+        for other, why in (
+            (
+                "ignored_layers",
+                "keeps them in BF16, and a BF16 Linear has its whole weight: it takes no pair",
+            ),
+            ("mxfp8_layers", "stores them as MXFP8 W8A8, which has no low-rank branch"),
+        ):
+            both = sorted(set(listed) & set(getattr(self, other)), key=layer_order)
+            if both:
+                raise ValueError(
+                    f"{both} are listed in svd_lowrank_layers and in {other}, which {why}. Fix the checkpoint's "
+                    "quantization_config (vllm-omni-mxfp4 merge writes these lists from the export)."
+                )
 
     def _check_svd_rank(self) -> None:
         """``svd_rank`` splits BF16 weights at load (online); a pre-quantized checkpoint has no BF16
@@ -253,6 +288,7 @@ class Mxfp4Config(MethodConfig):
     backend: str = key("auto", check_backend, role=RUNTIME_SETTING)
     nvfp4_requant_rule: str = key("auto", check_requant_rule, role=RUNTIME_SETTING)
     svd_rank: int = key(0, check_count, role=RUNTIME_POLICY)
+    svd_lowrank_layers: dict[str, int] = key(None, check_low_rank_layers, role=STORAGE)
 
     METHOD: ClassVar[str] = "mxfp4"
 
@@ -294,6 +330,7 @@ class Mxfp4DualScaleConfig(MethodConfig):
     num_bf16_fallback_layers: int = key(5, check_count, role=RUNTIME_SETTING)
     backend: str = key("auto", check_backend, role=RUNTIME_SETTING)
     svd_rank: int = key(0, check_count, role=RUNTIME_POLICY)
+    svd_lowrank_layers: dict[str, int] = key(None, check_low_rank_layers, role=STORAGE)
 
     METHOD: ClassVar[str] = "mxfp4_dualscale"
     EMPTY_ONLY_KEYS: ClassVar[Mapping[str, EmptyOnlyKey]] = empty_only_keys(

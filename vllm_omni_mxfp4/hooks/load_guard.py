@@ -25,7 +25,7 @@ import torch
 
 from ..models.wan import runtime_layer_name
 from ..patching import wrap_once
-from ..spec import FORMAT_TENSORS
+from ..spec import FORMAT_TENSORS, LOW_RANK_L1, LOW_RANK_L2
 from .nvfp4_loading import convert_stream
 
 
@@ -88,7 +88,18 @@ def misfit_message(model: torch.nn.Module, name: str, tensor: torch.Tensor, exc:
 
 
 def refuse_unknown_tensors(names: list[str], loaded: set[str]) -> None:
-    """Tensors in a quantized layer's prefix that the model did not load are an error, not skipped."""
+    """Tensors in a quantized layer's prefix that the model did not load are an error, not skipped;
+    so is a low-rank pair the model did not load, on any layer (its Linear would run without it)."""
+    pairs = [n for n in names if n not in loaded and n.rsplit(".", 1)[-1] in (LOW_RANK_L1, LOW_RANK_L2)]
+    if pairs:
+        layers = sorted({n.rsplit(".", 1)[0] for n in pairs})
+        raise ValueError(
+            f"{pairs[0]}: the checkpoint stores a low-rank pair ({LOW_RANK_L1}/{LOW_RANK_L2}) for "
+            f"{len(layers)} Linear(s) {layers[:6]} that the quantization_config does not list in "
+            "svd_lowrank_layers, so the model has no branch to load it into and the layer would run without "
+            "it: a BF16 (ignored_layers) or unlisted layer. List each quantized layer with its rank in "
+            "svd_lowrank_layers, or export again (vllm-omni-mxfp4 merge writes the list from the export)."
+        )
     quantized = {n.rsplit(".", 1)[0] for n in loaded if n.endswith(".weight_scale")}
     unknown = [n for n in names if n not in loaded and n.rsplit(".", 1)[0] in quantized]
     if unknown:

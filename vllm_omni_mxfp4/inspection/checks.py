@@ -6,7 +6,8 @@ that its loader skips: scales of a Linear that runs in BF16), and they are check
 the Linear's method loads:
 
 - a quantized offline Linear: the format's tensors of :func:`vllm_omni_mxfp4.spec.checkpoint_tensors`
-  per fused piece, with their dtypes, shapes (from the piece's ``(N, K)``) and value rules (read in
+  per fused piece (and the low-rank pair of :func:`vllm_omni_mxfp4.spec.low_rank_tensors` where
+  ``svd_lowrank_layers`` lists the Linear), with their dtypes, shapes (from the piece's ``(N, K)``) and value rules (read in
   bounded chunks; packed FP4 bytes are not read), ``mul_scale`` required where the format or
   ``require_smooth_scale`` requires it, a bias exactly where the model's Linear has one, and fused
   pieces that agree on Smooth;
@@ -127,12 +128,20 @@ def _layout(record: spec.CheckpointTensor, feed: Feed) -> spec.CheckpointTensor:
 def _check_quantized(lin: RuntimeLinear, feeds: list[Feed], quant: QuantConfig, packed: Mapping) -> list[str]:
     """An offline quantized Linear: per piece, the format's tensors (set, dtypes, shapes, values)."""
     records = {record.name: record for record in spec.checkpoint_tensors(lin.method)}
+    rank = quant.svd_lowrank_layers.get(lin.name, 0)
     problems = []
+    if rank:  # (a rank above min(N, K) fails the model build, which the walk reports)
+        records.update({record.name: record for record in spec.low_rank_tensors(rank)})
     for piece, n in _pieces(lin):
         got = {f.role: f for f in feeds if f.piece == piece}
         source = _source_name(lin, piece, feeds, packed)
         for role, feed in got.items():
-            if role not in records:
+            if role in (spec.LOW_RANK_L1, spec.LOW_RANK_L2) and not rank:
+                problems.append(
+                    f"{feed.ref.name}: a low-rank pair, but svd_lowrank_layers does not list {lin.name}, so the "
+                    "loader has no branch to put it in; list the layer with its rank (the merge writes the list)"
+                )
+            elif role not in records:
                 problems.append(
                     f"{feed.ref.name}: {role} is not a tensor of a {lin.method} Linear (it has {', '.join(records)})"
                 )

@@ -105,6 +105,7 @@ def _linear_entry(name: str, module: Any) -> dict[str, Any]:
             act_scale_rule=method.act_scale_rule,
             precision=route.precision.value,
             w4a8_steps=list(route.a8_steps),
+            low_rank=module._mx.low_rank,  # the rank of its low-rank branch (svd_rank or a stored pair); 0: none
         )
     elif method is None or type(method).__name__ in (
         "UnquantizedLinearMethod",

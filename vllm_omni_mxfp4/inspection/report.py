@@ -16,7 +16,15 @@ from typing import Any
 
 PRECISION_LABELS = {"bf16": "BF16", "w4a4": "W4A4", "w4a8": "W4A8", "w8a8": "W8A8"}
 #: The order tensors are listed in: the formats' checkpoint tables, weight first.
-ROLE_ORDER = ("weight", "weight_scale", "weight_dual_scale", "mul_scale", "bias")
+ROLE_ORDER = (
+    "weight",
+    "weight_scale",
+    "weight_dual_scale",
+    "mul_scale",
+    "svd_lowrank_l1",
+    "svd_lowrank_l2",
+    "bias",
+)
 
 
 @dataclass(frozen=True)

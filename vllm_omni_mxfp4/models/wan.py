@@ -29,7 +29,10 @@ CONV = "conv"
 PARAM = "param"
 
 #: Tensors a Linear may carry in a merged checkpoint: those of any format's quantized Linear.
-LINEAR_LEAVES = frozenset(t.name for fmt in spec.FORMATS for t in spec.checkpoint_tensors(fmt))
+LINEAR_LEAVES = frozenset(
+    {t.name for fmt in spec.FORMATS for t in spec.checkpoint_tensors(fmt)}
+    | {spec.LOW_RANK_L1, spec.LOW_RANK_L2}
+)
 #: Tensors of the other modules.
 PLAIN_LEAVES = frozenset({"weight", "bias"})
 
@@ -174,13 +177,13 @@ def parse_diffusers(name: str) -> TensorName:
     return wan_to_diffusers(original)
 
 
-_WRAPPED_LEAVES = ("weight_dual_scale", "weight_scale", "weight", "bias")
+_WRAPPED_LEAVES = ("weight_dual_scale", "weight_scale", "weight", "bias", spec.LOW_RANK_L1, spec.LOW_RANK_L2)
 
 
 def strip_smooth_wrapper(name: str) -> tuple[str, bool]:
     """Undo msModelSlim's Smooth wrapper names; returns ``(name, was_wrapped)``.
 
-    ``<p>.linear.weight|weight_scale|weight_dual_scale|bias`` -> ``<p>.<leaf>`` and
+    ``<p>.linear.weight|weight_scale|weight_dual_scale|bias|svd_lowrank_l1|svd_lowrank_l2`` -> ``<p>.<leaf>`` and
     ``<p>.div.mul_scale`` -> ``<p>.mul_scale``; any other name is returned unchanged.
     """
     if name.endswith(".div.mul_scale"):

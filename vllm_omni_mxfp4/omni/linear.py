@@ -150,6 +150,11 @@ class MxLinearMethod(LinearMethodBase):
             return
         for tensor in self.checkpoint_tensors():
             self._register_checkpoint_tensor(layer, tensor, n, vllm_loader)
+        rank = self.config.svd_lowrank_layers.get(self.prefix, 0)
+        if rank:  # a stored low-rank pair (msModelSlim svd_res, merged)
+            low_rank.create(
+                layer, self.prefix, self.method_name, rank, output_size, stored=True, vllm_loader=vllm_loader
+            )
         self._register_foreign_sentinels(layer)
 
     def _new_state(self, layer: torch.nn.Module, n: int, k: int, k_full: int) -> MxLayerState:
@@ -231,7 +236,7 @@ class MxLinearMethod(LinearMethodBase):
 
         def load(param: Parameter, loaded_weight: torch.Tensor, *args: Any) -> None:
             loaded_weight = self._checked(state, name, loaded_weight, *args)
-            if state.low_rank:  # online svd_rank: the pair from the whole piece, the residual loads
+            if state.low_rank and self.online:  # svd_rank: the pair from the whole piece, the residual loads
                 loaded_weight = low_rank.split_on_load(layer, self.prefix, loaded_weight, args, vllm_loader)
             if name == "mul_scale" and state.loaded_count(name):
                 self._check_shared_smooth(layer, loaded_weight)
@@ -333,11 +338,13 @@ class MxLinearMethod(LinearMethodBase):
 
     def _check_complete(self, layer: torch.nn.Module, state: MxLayerState) -> None:
         for name, param in layer.named_parameters(recurse=False):
-            if name == "bias" or getattr(param, "is_checkpoint_optional", False):
+            required_by = getattr(param, "required_by", None)  # optional to vLLM, required here
+            if name == "bias" or (getattr(param, "is_checkpoint_optional", False) and required_by is None):
                 continue
             if state.loaded_count(name) < param.numel():
                 raise ValueError(
-                    f"{self.prefix}.{name}: required by offline {self.method_name} but "
+                    f"{self.prefix}.{name}: required by offline {self.method_name}"
+                    f"{f' ({required_by})' if required_by else ''} but "
                     f"{'missing from' if not state.loaded_count(name) else 'incomplete in'} the checkpoint"
                 )
 

@@ -1,4 +1,4 @@
-"""The online low-rank branch of a quantized Linear (``svd_rank``): parameters, load-time split, forward.
+"""The low-rank branch of a quantized Linear: parameters, loading (computed or stored), forward.
 
 With ``svd_rank: r`` an online layer keeps, next to its quantized weight, a pair per fused part
 (:mod:`vllm_omni_mxfp4.formats.low_rank`): ``svd_lowrank_l1`` ``(parts * r, K)`` holds each part's
@@ -6,7 +6,14 @@ With ``svd_rank: r`` an online layer keeps, next to its quantized weight, a pair
 rows. Both are parameters in the activation dtype, so vLLM-Omni's offload and sleep movers move them
 with the layer.
 
-Loading: each BF16 weight piece (a whole Linear, or the Q, K or V of a fused one) arrives complete
+Two sources of the pair:
+
+- online ``svd_rank: r``: computed at load from each BF16 weight piece (below);
+- offline ``svd_lowrank_layers: {layer: r}``: stored in the checkpoint next to the quantized residual
+  (msModelSlim's ``svd_res`` export, merged), one pair per checkpoint Linear, checked against
+  :func:`vllm_omni_mxfp4.spec.low_rank_tensors` (shape, dtype, finite values) as it loads.
+
+Loading (online): each BF16 weight piece (a whole Linear, or the Q, K or V of a fused one) arrives complete
 from the checkpoint, before vLLM narrows it to this TP rank. Its pair is computed there, from the
 whole piece, and the piece's residual ``W - L2 @ L1`` goes on to the normal online path (narrowed,
 quantized). Every rank therefore holds the slices of the same pair and the same residual as TP=1:
@@ -14,7 +21,9 @@ a column-parallel rank keeps its output rows of ``L2`` and all of ``L1``, a row-
 K columns of ``L1`` and all of ``L2``, whose partial products join the main path's all-reduce.
 
 Forward: ``y = kernel(x) + (x L1^T) L2^T`` per part, in the activation dtype, on the activation as the
-layer receives it (online layers have no Smooth). The branch does not depend on the precision of the
+layer receives it, before any Smooth: msModelSlim's ``SVDResidualWrapper`` computes
+``wrapped(x) + F.linear(F.linear(x, l1), l2)`` with the same two ``F.linear`` calls per Linear, and
+its export keeps Smooth-wrapped layers out of the branch's scope (the merge refuses the combination). The branch does not depend on the precision of the
 step, so W4A8 layers and steps keep it, and it runs outside the kernel: every backend gets the same
 branch.
 """
@@ -30,8 +39,11 @@ from torch.nn import Parameter
 from vllm.model_executor.layers.linear import RowParallelLinear
 from vllm.model_executor.utils import set_weight_attrs
 
+from .. import spec
+from ..formats.dtypes import safetensors_name
 from ..formats.low_rank import split_weight
 from ..spec import LOW_RANK_L1, LOW_RANK_L2
+from .loading import check_values, counted_load
 
 logger = logging.getLogger(__name__)
 
@@ -58,40 +70,115 @@ def piece_index(layer: torch.nn.Module, shard: tuple[Any, ...]) -> int | None:
     return int(shard_id)
 
 
-def check_rank(prefix: str, method: str, rank: int, pieces: list[int], k_full: int) -> None:
+def check_rank(
+    prefix: str, method: str, rank: int, pieces: list[int], k_full: int, *, stored: bool = False
+) -> None:
     """Refuse, before any allocation, a rank that some piece ``(N_piece, K)`` cannot have."""
     smallest = min(min(pieces), k_full)
     if rank > smallest:
         shapes = ", ".join(f"({n}, {k_full})" for n in pieces)
+        what = f"svd_lowrank_layers gives rank {rank}, which" if stored else f"svd_rank {rank}"
+        fix = (
+            "the checkpoint's config is corrupt or belongs to another model: export it again (vllm-omni-mxfp4 merge)"
+            if stored
+            else f"use svd_rank <= {smallest}, or list the layer in ignored_layers"
+        )
         raise ValueError(
-            f"{prefix}: svd_rank {rank} exceeds min(N, K) = {smallest} of its weight{'s' if len(pieces) > 1 else ''} "
-            f"{shapes} ({method}); use svd_rank <= {smallest}, or list the layer in ignored_layers"
+            f"{prefix}: {what} exceeds min(N, K) = {smallest} of its weight{'s' if len(pieces) > 1 else ''} "
+            f"{shapes} ({method}); {fix}"
         )
 
 
-def create(layer: torch.nn.Module, prefix: str, method: str, rank: int, output_size: int) -> None:
-    """Register the pair's parameters on an online layer being created (zeros until its weight loads)."""
+def create(
+    layer: torch.nn.Module,
+    prefix: str,
+    method: str,
+    rank: int,
+    output_size: int,
+    *,
+    stored: bool = False,
+    vllm_loader=None,
+) -> None:
+    """Register the pair's parameters on a layer being created (zeros until loaded).
+
+    Online (``stored`` false) the pair is computed from the weight, so checkpoint pairs are refused;
+    offline it is the checkpoint's, loaded through :func:`load_stored` and required."""
     pieces = piece_sizes(layer, output_size)
-    check_rank(prefix, method, rank, pieces, layer._mx.geometry.k_full)
+    check_rank(prefix, method, rank, pieces, layer._mx.geometry.k_full, stored=stored)
     dtype = layer.orig_dtype
     n, k = layer.output_size_per_partition, layer.input_size_per_partition
     shapes = {LOW_RANK_L1: (len(layer.logical_widths) * rank, k), LOW_RANK_L2: (n, rank)}
     for name, shape in shapes.items():
         param = Parameter(torch.zeros(shape, dtype=dtype, device=layer._mx.load_device), requires_grad=False)
         layer.register_parameter(name, param)
+        if stored:
+            # required, but checked by the layer (MxLinearMethod._check_complete names the key), not by vLLM
+            attrs = {
+                "weight_loader": _stored_loader(layer, prefix, name, rank, pieces, vllm_loader),
+                "is_checkpoint_optional": True,
+                "required_by": "svd_lowrank_layers lists the layer",
+            }
+        else:
 
-        def refuse(param: Parameter, loaded_weight: torch.Tensor, *shard: Any, _name: str = name) -> None:
-            raise ValueError(
-                f"{prefix}.{_name}: the checkpoint carries its own low-rank pair, and svd_rank {rank} would "
-                f"compute a second one from the weight at load. Remove svd_rank from the {method} config."
-            )
+            def refuse(param: Parameter, loaded_weight: torch.Tensor, *shard: Any, _name: str = name) -> None:
+                raise ValueError(
+                    f"{prefix}.{_name}: the checkpoint carries its own low-rank pair, and svd_rank {rank} would "
+                    f"compute a second one from the weight at load. Remove svd_rank from the {method} config."
+                )
 
-        # computed from the weight, never read from the checkpoint: not expected there by the loader
-        set_weight_attrs(
-            param, {"weight_loader": refuse, "ignore_warning": True, "is_checkpoint_optional": True}
-        )
+            # computed from the weight, never read from the checkpoint: not expected there by the loader
+            attrs = {"weight_loader": refuse, "ignore_warning": True, "is_checkpoint_optional": True}
+        set_weight_attrs(param, attrs)
     set_weight_attrs(layer.svd_lowrank_l2, {"output_dim": 0})
     layer._mx.low_rank = rank
+
+
+def _stored_loader(layer: torch.nn.Module, prefix: str, name: str, rank: int, pieces: list[int], vllm_loader):
+    """The weight loader of a stored pair tensor: checked against its record, stored per piece."""
+    record = spec.low_rank_tensors(rank)[0 if name == LOW_RANK_L1 else 1]
+
+    def load(param: Parameter, loaded_weight: torch.Tensor, *shard: Any) -> None:
+        index = piece_index(layer, shard)
+        where = f"{prefix}.{name}" + (
+            f" (fused piece {shard[0]!r})" if shard and shard[0] is not None else ""
+        )
+        n_piece = sum(pieces) if index is None else pieces[index]
+        expected = record.shape(n_piece, layer._mx.geometry.k_full)
+        problem = spec.tensor_problem(
+            record, safetensors_name(loaded_weight.dtype), tuple(loaded_weight.shape), expected, None
+        )
+        if problem is not None:
+            raise ValueError(
+                f"{where}: {problem} (svd_lowrank_layers gives {prefix} rank {rank}); export the checkpoint "
+                "again (vllm-omni-mxfp4 merge checks each pair)"
+            )
+        check_values(where, record.value_rule, loaded_weight)
+
+        def copy(target: torch.Tensor) -> None:
+            if index is not None:
+                _store(layer, name, index, loaded_weight, shard, vllm_loader)
+            elif name == LOW_RANK_L1:  # one pair for a fused-on-disk weight: every piece shares L1
+                for i in range(len(pieces)):
+                    _store(layer, name, i, loaded_weight, (), vllm_loader)
+            else:
+                vllm_loader(target, loaded_weight.to(target.dtype))
+
+        counted_load(layer._mx, layer, name, copy)
+
+    return load
+
+
+def _store(layer: torch.nn.Module, name: str, index: int, t: torch.Tensor, shard: tuple, vllm_loader) -> None:
+    """This rank's slice of piece ``index``'s ``L1`` (rows ``index * r``, a row-parallel rank's K
+    columns) or ``L2`` (through vLLM's loader: a column-parallel rank's output rows)."""
+    param = getattr(layer, name)
+    if name == LOW_RANK_L2:
+        vllm_loader(param, t.to(param.dtype), *shard)
+        return
+    rank, geometry = layer._mx.low_rank, layer._mx.geometry
+    if isinstance(layer, RowParallelLinear) and geometry.sharded:
+        t = t[:, geometry.k0 : geometry.k0 + geometry.k]
+    param.data[index * rank : (index + 1) * rank].copy_(t.to(param.dtype))
 
 
 def split_on_load(
@@ -108,12 +195,8 @@ def split_on_load(
     rank = layer._mx.low_rank
     where = f"{prefix}.weight" + (f" (fused piece {shard[0]!r})" if shard and shard[0] is not None else "")
     l1, l2, residual = split_weight(weight, rank, where)
-    geometry = layer._mx.geometry
-    if isinstance(layer, RowParallelLinear) and geometry.sharded:
-        l1 = l1[:, geometry.k0 : geometry.k0 + geometry.k]
-    dtype = layer.svd_lowrank_l1.dtype
-    layer.svd_lowrank_l1.data[index * rank : (index + 1) * rank].copy_(l1.to(dtype))
-    vllm_loader(layer.svd_lowrank_l2, l2.to(dtype), *shard)
+    _store(layer, LOW_RANK_L1, index, l1, shard, vllm_loader)
+    _store(layer, LOW_RANK_L2, index, l2, shard, vllm_loader)
     return residual
 
 

@@ -5,6 +5,8 @@ msModelSlim quantizes the ORIGINAL Wan module tree (``blocks.N.self_attn.q``, ``
 transformer of a diffusers pipeline directory into that tree and quantizes it with msModelSlim's own
 pieces — the lowest-level ones, which need no NPU and no model adapter:
 
+- optionally ``svd_res`` (``SVDResidualProcessor``, data-free) on the Linears ``ExpertSpec.svd``
+  matches, before Smooth: each keeps a low-rank pair and its residual is quantized;
 - Smooth: ``iter_smooth_impl_non_fusion_linear`` (the iter_smooth API for a NonFusionSubgraph), then
   ``NonFusionSmoothQuantHookIR`` on each Linear, as ``IterSmoothProcessor.apply_smooth_algorithm``
   does. The per-channel activation maxima come from a calibration run of the pipeline
@@ -204,7 +206,9 @@ class ExpertSpec:
     ``fmt``: ``"dual"`` (W4A4_MXFP4_DUALSCALE) or ``"single"`` (W4A4_MXFP4); ``saver``: ``"mindie"``
     or ``"ascendv1"``; ``exclude``: msModelSlim ``exclude`` patterns (original names) that stay FLOAT;
     ``smooth``: groups of Linears (original names) sharing one Smooth subgraph; ``shard_bytes``:
-    shard the safetensors output.
+    shard the safetensors output; ``svd``: msModelSlim ``include`` patterns of its ``svd_res``
+    processor (run first, with ``svd_rank``), whose Linears get a low-rank pair and a quantized
+    residual (only the ascendv1 saver writes the pair).
     """
 
     fmt: str
@@ -212,20 +216,31 @@ class ExpertSpec:
     exclude: list[str]
     smooth: list[list[str]] = field(default_factory=list)
     shard_bytes: int | None = None
+    svd: list[str] = field(default_factory=list)
+    svd_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.fmt not in ("dual", "single"):
             raise ValueError(f"ExpertSpec.fmt must be 'dual' or 'single', got {self.fmt!r}")
         if self.saver not in ("mindie", "ascendv1"):
             raise ValueError(f"ExpertSpec.saver must be 'mindie' or 'ascendv1', got {self.saver!r}")
+        if self.svd and self.saver != "ascendv1":
+            raise ValueError(
+                "ExpertSpec.svd needs saver 'ascendv1': msModelSlim's mindie_format saver drops the low-rank "
+                "pair and keeps the residual's plain label, which no reader can tell from a whole weight"
+            )
 
 
 @dataclass
 class LayerReference:
-    """What msModelSlim quantized for one Linear: dequantized values (float64) and its Smooth scale."""
+    """What msModelSlim quantized for one Linear: dequantized values (float64), its Smooth scale, its
+    low-rank pair ``(l1, l2)`` where ``svd_res`` wrapped it, and msModelSlim's deployed module (the
+    wrappers around its fake-quant Linear), which computes the layer as msModelSlim's model does."""
 
     values: torch.Tensor
     mul_scale: torch.Tensor | None
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None
+    module: nn.Module | None = None
 
 
 def all_linears(block: int, *, cross_kv_together: bool = True) -> list[list[str]]:
@@ -324,6 +339,32 @@ def _smooth(
             hook.set_hook_handle(linear.register_forward_pre_hook(hook))
 
 
+def _top_level_requests(model: nn.Module) -> list:
+    """One msModelSlim ``BatchProcessRequest`` per top-level module and per block, as its runner makes."""
+    from msmodelslim.core.base.protocol import BatchProcessRequest
+
+    requests = [BatchProcessRequest(name=n, module=m) for n, m in model.named_children() if n != "blocks"]
+    return requests + [BatchProcessRequest(name=f"blocks.{i}", module=b) for i, b in enumerate(model.blocks)]
+
+
+def _svd_residual(model: nn.Module, spec: ExpertSpec) -> None:
+    """msModelSlim's ``svd_res`` processor over ``spec.svd``: each matched Linear's weight becomes the
+    residual ``W - L2 @ L1`` and gets a pre-hook that the quantizer turns into its SVD wrapper."""
+    from msmodelslim.processor.svd_residual.processor import (
+        SVDResidualProcessor,
+        SVDResidualProcessorConfig,
+    )
+
+    processor = SVDResidualProcessor(
+        model, SVDResidualProcessorConfig(rank=spec.svd_rank, include=spec.svd, exclude=[])
+    )
+    for request in _top_level_requests(model):
+        processor.preprocess(request)
+        processor.process(request)
+        processor.postprocess(request)
+    processor.post_run()
+
+
 def _calibrated(maxima: Mapping[str, torch.Tensor], group: list[str], k: int) -> torch.Tensor:
     """A Smooth group's input maxima from a calibration run: the Linears of a group share their input."""
     missing = [name for name in group if name not in maxima]
@@ -343,7 +384,10 @@ def _calibrated(maxima: Mapping[str, torch.Tensor], group: list[str], k: int) ->
 def _reference(module: nn.Module) -> LayerReference | None:
     import msmodelslim.ir as qir
 
-    mul_scale = None
+    deployed, mul_scale, low_rank = module, None, None
+    if isinstance(module, qir.SVDResidualWrapper):
+        low_rank = (module.svd_lowrank_l1.detach().clone(), module.svd_lowrank_l2.detach().clone())
+        module = module.wrapped_module
     if isinstance(module, qir.NonFusionSmoothQuantWrapper):
         mul_scale = module.scales.detach().double().clone()
         module = module.wrapped_module
@@ -358,7 +402,7 @@ def _reference(module: nn.Module) -> LayerReference | None:
     values = module.weight.detach().double() * torch.exp2(exponent)
     if dual is not None:
         values = values * dual[:, :k]
-    return LayerReference(values, mul_scale)
+    return LayerReference(values, mul_scale, low_rank, deployed)
 
 
 def _adapter(model_path: Path):
@@ -427,20 +471,19 @@ def quantize_expert(
     Returns, by ORIGINAL layer name, what msModelSlim quantized (for validating a merge).
     """
     require_msmodelslim()
-    from msmodelslim.core.base.protocol import BatchProcessRequest
     from msmodelslim.processor.quant.linear import LinearProcessorConfig, LinearQuantProcessor
 
     save_dir = Path(save_dir)
     if save_dir.exists() and (not save_dir.is_dir() or any(save_dir.iterdir())):
         raise FileExistsError(f"msModelSlim export directory {save_dir} exists and is not empty")
     model = original_model(diffusers_state, config)
+    if spec.svd:
+        _svd_residual(model, spec)
     _smooth(model, spec.smooth, seed, maxima)
     quant = LinearQuantProcessor(
         model, LinearProcessorConfig(qconfig=_qconfig(spec.fmt), include=["*"], exclude=spec.exclude)
     )
-    requests = [BatchProcessRequest(name=name, module=module) for name, module in model.named_children()]
-    requests = [r for r in requests if r.name != "blocks"]
-    requests += [BatchProcessRequest(name=f"blocks.{i}", module=b) for i, b in enumerate(model.blocks)]
+    requests = _top_level_requests(model)
     for request in requests:
         quant.preprocess(request)
         quant.postprocess(request)
@@ -448,7 +491,7 @@ def quantize_expert(
     references = {}
     for name, module in model.named_modules():
         ref = _reference(module)
-        if ref is not None:
+        if ref is not None and not name.endswith(".wrapped_module"):
             references[name] = ref
 
     save_dir.mkdir(parents=True, exist_ok=True)
