@@ -49,7 +49,7 @@ def demo_run(tmp_path_factory):
         "vllm_omni_mxfp4_demo",
         "--random-weights",
         "--modes",
-        "offline",
+        "offline,msmodelslim-svd16",
         "--steps",
         "1",
         "--out",
@@ -64,7 +64,7 @@ def demo_run(tmp_path_factory):
 def test_table_and_numbers(demo_run):
     out, text, results = demo_run
     modes = {m["mode"]: m for m in results["modes"]}
-    assert list(modes) == ["bf16", "offline"]
+    assert list(modes) == ["bf16", "offline", "msmodelslim-svd16"]
     assert "mode" in text and "PSNR dB" in text and "weights MiB" in text
     bf16, offline = modes["bf16"], modes["offline"]
     assert bf16["psnr"] == math.inf and bf16["cosine"] == pytest.approx(1.0)
@@ -138,7 +138,7 @@ def test_files(demo_run):
 
     out, _, results = demo_run
     with Image.open(out / "frames_strip.png") as strip:
-        assert strip.size[1] == 2 * (96 + 4)  # one row per mode, 32 px frames enlarged x3
+        assert strip.size[1] == 3 * (96 + 4)  # one row per mode, 32 px frames enlarged x3
     for mode in ("bf16", "offline"):
         video = iio.imread(out / f"{mode}.mp4", index=None)
         assert video.shape[0] == FRAMES and video.shape[3] == 3
@@ -161,6 +161,21 @@ def trained_run(tmp_path_factory):
     log = out.parent / "demo.log"
     run_bounded(argv, timeout=900, env=subprocess_env(), log=log)
     return out, log.read_text(), json.loads((out / "results.json").read_text())
+
+
+def test_msmodelslim_svd_export_runs_its_pairs_through_omni(demo_run):
+    """msModelSlim's svd_res recipe (vllm_omni_mxfp4_tiny/recipes), merged: Omni(...) auto-detects it and
+    every quantized Linear the merged config lists runs with its stored rank-16 pair, the others without."""
+    out, text, results = demo_run
+    svd = next(m for m in results["modes"] if m["mode"] == "msmodelslim-svd16")
+    assert svd["omni_kwargs"] == {} and not svd.get("error")
+    for t in svd["transformers"]:
+        config = json.loads((out / "merged-svd16" / t["name"] / "config.json").read_text())
+        ranks = config["quantization_config"]["svd_lowrank_layers"]
+        quantized = {e["layer"]: e["low_rank"] for e in t["linears"] if e["method"] == "mxfp4"}
+        assert quantized and set(quantized) == set(ranks), t["name"]
+        assert set(quantized.values()) == {16}
+    assert "keep a low-rank pair" in text
 
 
 def test_trained_model_runs_by_default_with_prompt_accuracy(trained_run):

@@ -126,6 +126,15 @@ MODES: tuple[Mode, ...] = (
         lambda steps: {"quantization": "mxfp4"},
         nvfp4=True,
     ),
+    Mode(
+        "msmodelslim-svd16",
+        "msModelSlim's svd_res (rank 16) then W4A4 MXFP4 on every block Linear, no Smooth, ascendv1 saver "
+        "(vllm_omni_mxfp4_tiny/recipes), merged (W4A4_MXFP4_SVD: the pair stored next to the residual), "
+        "auto-detected; not in the default run",
+        lambda steps: {},
+        recipe="svd16",
+        default=False,
+    ),
     *(
         Mode(
             f"mxfp4-svd{rank}",

@@ -108,19 +108,23 @@ SAME_CHECKPOINT = {"w4a4f8": "w4a4f4"}
 
 
 def recipe_checkpoint(model: Path, recipe: str, out: Path, say: Callable[[str], None]) -> Path:
-    """``model`` quantized with msModelSlim's shipped Wan2.2 recipe ``recipe`` and merged under ``out``."""
-    from vllm_omni_mxfp4_tiny.msmodelslim_recipes import RECIPES, cached_recipe_export
+    """``model`` quantized with the msModelSlim Wan2.2 recipe ``recipe`` (one it ships, or this package's
+    svd_res recipe) and merged under ``out``."""
+    from vllm_omni_mxfp4_tiny.msmodelslim_recipes import cached_recipe_export, recipe_path
 
     start = time.perf_counter()
-    say(f"msModelSlim: recipe {RECIPES[recipe]} (cached after its first run)")
+    say(f"msModelSlim: recipe {recipe_path(recipe).name} (cached after its first run)")
     quant_path, _ = cached_recipe_export(recipe, model)
     say(f"msModelSlim: export {quant_path} ready in {time.perf_counter() - start:.1f} s")
     merged = out / f"merged-{recipe}"
     report = merge("auto", model, quant_path, merged, overwrite=True, mxfp8_layers="keep")
     for t in report.transformers:
+        pairs = (
+            f"; {len(t.low_rank_layers)} runtime Linears keep a low-rank pair" if t.low_rank_layers else ""
+        )
         say(
             f"merge {recipe}: {t.name}: {t.layers_quantized} Linears quantized, {t.layers_bf16} kept BF16; "
-            f"mxfp8_layers lists {len(t.mxfp8_layers)} runtime Linears; FA3 on {len(t.fa3_attention)} "
+            f"mxfp8_layers lists {len(t.mxfp8_layers)} runtime Linears{pairs}; FA3 on {len(t.fa3_attention)} "
             "attention layers and the online Q/K rotation left out (attention runs BF16)"
         )
     return merged

@@ -57,6 +57,9 @@ RECIPES = {
     "w4a4f4": "wan2_2/wan2_2_w4a4f4_mxfp_t2v.yaml",
     "w4a4f8": "wan2_2/wan2_2_w4a4f8_mxfp_t2v.yaml",
 }
+#: Recipe key -> a YAML of this package's ``recipes/`` (msModelSlim does not ship one for it): svd_res
+#: rank 16 then W4A4 MXFP4 on every block Linear, ascendv1 saver.
+OWN_RECIPES = {"svd16": "wan2_2_w4a4_mxfp4_svd16_t2v.yaml"}
 #: The recipes name blocks 0-4 (W8A8 MXFP8); a model needs more blocks for their W4A4 MXFP4 rule.
 MXFP8_BLOCKS = 5
 MODEL_TYPE = "Wan2.2-T2V-A14B"
@@ -157,11 +160,14 @@ def _cpu_adapter(model_dir: Path, experts: dict[str, nn.Module]):
 
 
 def recipe_path(recipe: str) -> Path:
-    """The YAML of ``recipe`` (a key of :data:`RECIPES`) in the installed msModelSlim."""
+    """The YAML of ``recipe``: a key of :data:`RECIPES` (in the installed msModelSlim) or of
+    :data:`OWN_RECIPES` (in this package)."""
     import msmodelslim
 
+    if recipe in OWN_RECIPES:
+        return Path(__file__).parent / "recipes" / OWN_RECIPES[recipe]
     if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; expected one of {', '.join(RECIPES)}")
+        raise ValueError(f"unknown recipe {recipe!r}; expected one of {', '.join([*RECIPES, *OWN_RECIPES])}")
     return Path(os.path.dirname(msmodelslim.__file__)) / "lab_practice" / RECIPES[recipe]
 
 
