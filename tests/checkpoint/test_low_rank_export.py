@@ -430,3 +430,20 @@ def test_tp2_equals_tp1(merged_svd):
         else:
             noise_err, noise_gap = _distance(noisy, want)
             assert err <= 2 * noise_err and cos_gap <= 2 * noise_gap, (err, cos_gap, noise_err, noise_gap)
+
+
+def test_npu_kernels_run_the_stored_pair(vllm_env, merged_svd):
+    """The branch runs outside the kernel: on the NPU kernels (through the semantic fake of torch_npu)
+    the merged checkpoint gives what the emulated kernels with float32 GEMMs give, pairs included."""
+    from tests.support.fake_torch_npu import fake_torch_npu_installed
+
+    for folder in EXPERTS:
+        with env_vars(VLLM_OMNI_MXFP4_EMULATED_COMPUTE="float32"):
+            want = forward(vllm_env, build_expert(vllm_env, merged_svd[0], None, sub=folder))
+        with fake_torch_npu_installed(), env_vars(VLLM_OMNI_MXFP4_BACKEND="npu"):
+            npu = build_expert(vllm_env, merged_svd[0], None, sub=folder)
+            layers = quantized_layers(npu)
+            assert {layer._mx.kernel.backend for layer in layers.values()} == {"npu"}
+            assert sum(1 for layer in layers.values() if layer._mx.low_rank) >= 12
+            got = forward(vllm_env, npu)
+        assert torch.equal(got, want), (folder, (got - want).abs().max())
