@@ -80,6 +80,9 @@ CASES: dict[str, Case] = {
     "VLLM_OMNI_MXFP4_TRACE_FILE": Case(
         envs.trace_file, None, {}, free_text=("trace.jsonl", "/tmp/a b/trace.jsonl")
     ),
+    "VLLM_OMNI_MXFP4_TRAJECTORY_DIR": Case(
+        envs.trajectory_dir, None, {}, free_text=("compare-out/bf16", "/tmp/a b/steps")
+    ),
     "VLLM_OMNI_MXFP4_CPU_PLATFORM": Case(
         envs.cpu_platform_mode,
         "auto",

@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 MERGE_DESCRIPTION = """\
 Merge msModelSlim W4A4 MXFP4 output (W4A4_MXFP4 or W4A4_MXFP4_DUALSCALE, either saver, sharded or not)
@@ -432,6 +433,110 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="Print a machine-readable JSON report instead.")
 
 
+COMPARE_DESCRIPTION = """\
+Run MODEL with the same prompts and seeds under BF16 (always first: the reference) and under each
+--config, through vLLM-Omni's own pipeline on whatever platform is present (Omni(...) with this
+package's kernels; one engine per config, run one after another). For every denoising step: the
+cosine and MSE of the latents against BF16's at that step. On the final frames: PSNR, SSIM and cosine
+against BF16's. Also the weight bytes the transformers hold and the time per generation. Writes
+OUT/compare.json (every number, per request and averaged) and OUT/compare.png (the per-step cosine
+curves above one frame strip per config) and prints a summary table.
+
+--config takes a method name (mxfp4), an inline JSON quantization config
+('{"method": "mxfp4", "w4a8_fallback_steps": [0, 19]}') or @file.json (a tune config.json), each
+optionally as label=... . Per-step measures need a pipeline that steps through vLLM-Omni's
+scheduler_step_maybe_with_cfg (Wan2.2, FLUX.1, FLUX.2, SD3, HunyuanVideo-1.5, ...).
+
+Exit status: 0 done, 2 bad arguments or a config the engine refused."""
+
+
+def _say(text: str) -> None:
+    """Print a line of this CLI's own. vLLM decorates the standard streams of a process that hosts a
+    worker with a ``(DiffusionWorker pid=...)`` prefix and keeps the undecorated ``write`` as
+    ``_original_write``: this CLI's lines do not come from a worker, so they go out undecorated."""
+    for stream in (sys.stdout, sys.stderr):
+        original = getattr(stream, "_original_write", None)
+        if original is not None:
+            stream.write = original
+    print(text, flush=True)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """Run ``compare``; prints progress and the summary table."""
+    from .compare.report import summary_table, write
+    from .compare.run import Request, Settings, compare, parse_config
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    try:
+        configs = [parse_config(text, i) for i, text in enumerate(args.config)]
+    except ValueError as exc:
+        print(f"vllm-omni-mxfp4 compare: error: {exc}", file=sys.stderr)
+        return 2
+    requests = [Request(p, s) for p in args.prompt for s in args.seed]
+    settings = Settings(
+        steps=args.steps,
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        guidance_scale=args.guidance_scale,
+        guidance_scale_2=args.guidance_scale_2,
+        negative_prompt=args.negative_prompt,
+    )
+    out = Path(args.out)
+    _say(f"compare: {len(configs) + 1} configs x {len(requests)} request(s), {args.steps} steps -> {out}")
+    try:
+        runs = compare(args.model, configs, requests, settings, out / "trajectories", progress=_say)
+    except ValueError as exc:
+        _say(f"vllm-omni-mxfp4 compare: error: {exc}")
+        return 2
+    table = write(out, args.model, settings, requests, runs)
+    _say(summary_table(table))
+    _say(f"wrote {out / 'compare.json'} and {out / 'compare.png'}")
+    return 0
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``compare``."""
+    parser.add_argument("model", metavar="MODEL", help="A diffusers pipeline directory (or a model name).")
+    parser.add_argument(
+        "--config", action="append", default=[], metavar="[LABEL=]SPEC",
+        help="A configuration to compare with BF16: a method name, inline JSON or @file.json (repeatable).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        required=True,
+        help="A prompt (repeatable; every prompt runs every seed).",
+    )
+    parser.add_argument(
+        "--seed", action="append", type=int, default=None, help="A seed (repeatable; default 0)."
+    )
+    parser.add_argument("--steps", type=int, default=20, help="Denoising steps (default 20).")
+    parser.add_argument("--height", type=int, default=None, help="Output height (default: the pipeline's).")
+    parser.add_argument("--width", type=int, default=None, help="Output width (default: the pipeline's).")
+    parser.add_argument(
+        "--num-frames", type=int, default=None, help="Video frames (default: the pipeline's)."
+    )
+    parser.add_argument(
+        "--guidance-scale", type=float, default=None, help="Guidance scale (default: the pipeline's)."
+    )
+    parser.add_argument(
+        "--guidance-scale-2",
+        type=float,
+        default=None,
+        help="Wan2.2's low-noise expert guidance (default: the pipeline's).",
+    )
+    parser.add_argument("--negative-prompt", default="", help="Negative prompt (default none).")
+    parser.add_argument("--out", default="compare-out", help="Output directory (default compare-out).")
+
+
+def _compare_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    if args.seed is None:
+        args.seed = [0]
+    return args
+
+
 @dataclass(frozen=True)
 class Subcommand:
     """One subcommand: its name, one-line help, description, arguments and what runs it."""
@@ -464,6 +569,13 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         INSPECT_DESCRIPTION,
         add_inspect_arguments,
         run_inspect,
+    ),
+    Subcommand(
+        "compare",
+        "Run a model under BF16 and each given config: per-step latent cosine/MSE, final PSNR/SSIM.",
+        COMPARE_DESCRIPTION,
+        add_compare_arguments,
+        lambda args: run_compare(_compare_defaults(args)),
     ),
 )
 

@@ -142,6 +142,14 @@ TRACE_FILE = EnvVar(
     "from every engine process.",
     _text,
 )
+TRAJECTORY_DIR = EnvVar(
+    "VLLM_OMNI_MXFP4_TRAJECTORY_DIR",
+    "",
+    "a directory",
+    "Save the latents of every denoising step (rank 0, one .npy per step, numbered per process) into this "
+    "directory; what `vllm-omni-mxfp4 compare` measures each step on.",
+    _text,
+)
 CPU_PLATFORM = EnvVar(
     "VLLM_OMNI_MXFP4_CPU_PLATFORM",
     "auto",
@@ -186,6 +194,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EMULATED_CACHE,
     EMULATED_COMPUTE,
     TRACE_FILE,
+    TRAJECTORY_DIR,
     CPU_PLATFORM,
     CPU_DEVICES,
     CPU_VISIBLE_DEVICES,
@@ -218,6 +227,11 @@ def emulated_compute() -> str:
 def trace_file() -> str | None:
     """``VLLM_OMNI_MXFP4_TRACE_FILE``: the trace path, or ``None`` when tracing is off."""
     return TRACE_FILE.read()
+
+
+def trajectory_dir() -> str | None:
+    """``VLLM_OMNI_MXFP4_TRAJECTORY_DIR``: where each denoising step's latents go, or ``None``."""
+    return TRAJECTORY_DIR.read()
 
 
 def cpu_platform_mode() -> str:

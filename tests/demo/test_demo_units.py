@@ -11,10 +11,11 @@ import pytest
 import torch
 from PIL import Image
 
+from vllm_omni_mxfp4.compare.metrics import cosine, psnr
+from vllm_omni_mxfp4.compare.run import model_boundary_ratio
 from vllm_omni_mxfp4.config import parse_quantization
 from vllm_omni_mxfp4_demo import main, media, modes, report
-from vllm_omni_mxfp4_demo.metrics import cosine, psnr
-from vllm_omni_mxfp4_tiny.engine_job import Job, model_boundary_ratio
+from vllm_omni_mxfp4_tiny.engine_job import Job
 
 # ------------------------------------------------------------------------------------------------ metrics
 

@@ -51,7 +51,7 @@ def model_digest(model: Path) -> str:
 
 def job_key(job: Job, env: dict[str, str], trace: bool) -> str:
     """What decides a job's output: its fields (the model by content), the extra environment, tracing."""
-    from vllm_omni_mxfp4_tiny.engine_job import model_boundary_ratio
+    from vllm_omni_mxfp4.compare.run import model_boundary_ratio
 
     fields = {**dataclasses.asdict(job), "model": model_digest(Path(job.model)), "out": None}
     if job.boundary_ratio is None:  # what the engine gets then (engine_job.engine_kwargs)

@@ -10,7 +10,9 @@ Each hooked vLLM-Omni attribute is wrapped once (:mod:`.patching`), by one of th
 - :mod:`.nvfp4_loading`: ``TransformerConfig.from_dict`` (NVFP4 producer configs) and the
   requantization of an NVFP4 checkpoint's tensors in the weight stream;
 - :mod:`.load_guard`: the pipeline loader's ``load_weights`` (failures named, unknown tensors refused);
-- :mod:`.text_encoders`: ``recursive_replace_linear`` (Hugging Face text encoders stay BF16).
+- :mod:`.text_encoders`: ``recursive_replace_linear`` (Hugging Face text encoders stay BF16);
+- :mod:`.trajectory`: the pipelines' ``scheduler_step_maybe_with_cfg`` (each step's latents saved
+  while ``VLLM_OMNI_MXFP4_TRAJECTORY_DIR`` is set, for ``compare``).
 
 :func:`install` installs them all; :func:`vllm_omni_mxfp4.plugin.register` calls it in every
 vLLM-Omni process. Importing this package installs nothing.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 def install() -> None:
     """Install every hook of this package into vLLM-Omni; idempotent."""
-    from . import build, defaults, load_guard, names, nvfp4_loading, text_encoders
+    from . import build, defaults, load_guard, names, nvfp4_loading, text_encoders, trajectory
 
     build.install()
     names.install()
@@ -29,3 +31,4 @@ def install() -> None:
     load_guard.install()  # names the tensor when vLLM's loaders fail; refuses unknown quantized tensors
     nvfp4_loading.install()  # NVFP4 producer configs vLLM-Omni cannot build
     text_encoders.install()  # Hugging Face text encoders whose Linears vLLM-Omni rebuilds: BF16
+    trajectory.install()  # each denoising step's latents, for compare (VLLM_OMNI_MXFP4_TRAJECTORY_DIR)

@@ -48,7 +48,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from vllm_omni_mxfp4_tiny.engine_job import Job, model_boundary_ratio
+from vllm_omni_mxfp4.compare.run import model_boundary_ratio
+from vllm_omni_mxfp4_tiny.engine_job import Job
 from vllm_omni_mxfp4_tiny.runner import RunFailed, end_running_commands, run_engine_job
 from vllm_omni_mxfp4_tiny.trained_wan import SHIPPED
 from vllm_omni_mxfp4_tiny.training_command import MANIFEST, verify_manifest

@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni_mxfp4.compare import metrics
 from vllm_omni_mxfp4_tiny.engine_job import Job
 from vllm_omni_mxfp4_tiny.runner import run_engine_job
 
-from . import metrics
 from .modes import MODES, Mode
 
 PROG = "python -m vllm_omni_mxfp4_demo.models"

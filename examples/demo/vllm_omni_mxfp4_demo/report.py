@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni_mxfp4.compare.metrics import cosine, psnr
 from vllm_omni_mxfp4.inspection.engine import LoadedTransformer
 
 from .media import frame_strip, to_uint8, upscale, write_video
-from .metrics import cosine, psnr
 
 MIB = 1024 * 1024
 FPS = 16.0

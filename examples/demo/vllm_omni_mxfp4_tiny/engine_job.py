@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_omni_mxfp4.compare.run import frames_of, model_boundary_ratio
+
 
 @dataclass(frozen=True)
 class Job:
@@ -87,15 +89,6 @@ class Job:
                 )
         evaluation_groups(job.evaluation)  # a repeated pair is an error
         return job
-
-
-def model_boundary_ratio(model: str | Path) -> float | None:
-    """The ``boundary_ratio`` of a local diffusers pipeline's ``model_index.json``, if it has one."""
-    index = Path(model) / "model_index.json"
-    if not index.is_file():
-        return None
-    value = json.loads(index.read_text()).get("boundary_ratio")
-    return float(value) if value is not None else None
 
 
 def engine_kwargs(job: Job) -> dict[str, Any]:
@@ -167,25 +160,15 @@ def _evaluate(omni: Any, job: Job) -> Any:
                 raise RuntimeError(
                     f"engine job: an output for seed {seed} answers prompt {prompt!r}; expected one per {texts}"
                 )
-            videos[prompt, seed] = _as_array(output.images)
+            videos[prompt, seed] = frames_of(output.images)
         missing = [text for text in texts if (text, seed) not in videos]
         if missing:
             raise RuntimeError(f"engine job: no output for seed {seed} and prompts {missing}")
     return np.stack([videos[text, seed] for text, seed in job.evaluation])
 
 
-def _as_array(images: list[Any]) -> Any:
-    """An output's ``images`` as one array: ``images[0]`` when it is an array of frames; PIL images
-    (``getbands``) all stacked, as float32 in ``[0, 1]``."""
-    import numpy as np
-
-    if not hasattr(images[0], "getbands"):
-        return np.asarray(images[0])
-    return np.stack([np.asarray(image, dtype=np.float32) for image in images]) / np.float32(255.0)
-
-
 def _describe(outputs: list[Any], seed: int) -> dict[str, Any]:
-    frames = _as_array(outputs[0].images)
+    frames = frames_of(outputs[0].images)
     return {
         "seed": seed,
         "count": len(outputs),
@@ -232,7 +215,7 @@ def run_job(job: Job) -> dict[str, Any]:
             outputs = _generate(omni, job, seed)
             result["gen_s"].append(time.perf_counter() - start)
             result["outputs"].append(_describe(outputs, seed))
-            np.save(out / f"frames_{index}.npy", _as_array(outputs[0].images))
+            np.save(out / f"frames_{index}.npy", frames_of(outputs[0].images))
         if job.evaluation:
             start = time.perf_counter()
             videos = _evaluate(omni, job)

@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_omni_mxfp4.compare.run import model_boundary_ratio
 from vllm_omni_mxfp4.plugin import engine_quant_config
 from vllm_omni_mxfp4_demo.modes import add_parallel_arguments, parallel_kwargs
-from vllm_omni_mxfp4_tiny.engine_job import model_boundary_ratio
 
 MIB = 1024 * 1024
 
