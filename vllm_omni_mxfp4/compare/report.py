@@ -2,7 +2,8 @@
 
 Per denoising step: the cosine and MSE of a config's latents against BF16's at the same step
 (upstream's ``compare_diffusion_trajectory_similarity`` measures). On the final frames: PSNR, SSIM and
-cosine against BF16's frames (:mod:`.metrics`). Means over the requests; every request's numbers
+cosine against BF16's frames (:mod:`.metrics`), and prompt accuracy where an installed task metric
+knows the model (:data:`TASK_METRICS`). Means over the requests; every request's numbers
 are in the JSON too. The PNG (drawn with Pillow, which vLLM installs) puts the mean per-step cosine
 curves above one frame strip per config.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,34 @@ def frame_measures(frames: np.ndarray, reference: np.ndarray) -> dict[str, float
     }
 
 
-def measure(runs: list[ConfigRun], requests: Sequence[Request]) -> list[dict[str, Any]]:
-    """Every config's numbers against the first run (BF16)."""
+TASK_METRICS = "vllm_omni_mxfp4.task_metrics"
+"""Entry-point group of task metrics: ``metric(model) -> judge | None``, ``judge(prompt, frames) ->
+{attribute: shown} | None`` (None: not a prompt of its task). The demo's tiny models register theirs."""
+
+Judge = Callable[[str, np.ndarray], "dict[str, bool] | None"]
+
+
+def task_judge(model: str) -> Judge | None:
+    """The judge of the first installed task metric that knows ``model``, or None."""
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group=TASK_METRICS):
+        judge = entry.load()(model)
+        if judge is not None:
+            return judge
+    return None
+
+
+def _accuracy(per_request: list[dict[str, Any]]) -> float | None:
+    """The share of judged requests whose output shows every attribute of its prompt."""
+    judged = [r["task"] for r in per_request if r.get("task") is not None]
+    return sum(all(t.values()) for t in judged) / len(judged) if judged else None
+
+
+def measure(
+    runs: list[ConfigRun], requests: Sequence[Request], judge: Judge | None = None
+) -> list[dict[str, Any]]:
+    """Every config's numbers against the first run (BF16); ``judge``: prompt accuracy too."""
     reference = runs[0]
     out = []
     for run in runs:
@@ -72,6 +99,7 @@ def measure(runs: list[ConfigRun], requests: Sequence[Request]) -> list[dict[str
                     "prompt": request.prompt,
                     "seed": request.seed,
                     **frame_measures(run.frames[i], reference.frames[i]),
+                    "task": None if judge is None else judge(request.prompt, run.frames[i]),
                     "seconds": run.seconds[i],
                     "steps": step_measures(run.trajectories[i], reference.trajectories[i]),
                 }
@@ -93,6 +121,7 @@ def measure(runs: list[ConfigRun], requests: Sequence[Request]) -> list[dict[str
                 "start_seconds": run.start_seconds,
                 "seconds": _mean(run.seconds),
                 "final": {key: _mean([r[key] for r in per_request]) for key in ("psnr", "ssim", "cosine")},
+                "prompt_accuracy": _accuracy(per_request),
                 "steps": steps,
                 "per_request": per_request,
             }
@@ -125,16 +154,20 @@ def write_json(
 
 def summary_table(configs: list[dict]) -> str:
     """One line per config: final PSNR, SSIM, cosine, the last and worst step's latent cosine, bytes, time."""
-    head = f"{'config':<20} {'PSNR dB':>8} {'SSIM':>7} {'cosine':>8} {'last step':>10} {'worst step':>11} {'MiB':>8} {'gen s':>7}"
+    head = (
+        f"{'config':<20} {'PSNR dB':>8} {'SSIM':>7} {'cosine':>8} {'last step':>10} {'worst step':>11} "
+        f"{'accuracy':>9} {'MiB':>8} {'gen s':>7}"
+    )
     lines = [head]
     for c in configs:
         final, steps = c["final"], c["steps"]
         worst = min(steps, key=lambda s: s["cosine"]) if steps else None
         last = f"{steps[-1]['cosine']:.5f}" if steps else "-"
         worst_text = f"{worst['cosine']:.5f}@{worst['step']}" if worst else "-"
+        accuracy = "-" if c["prompt_accuracy"] is None else f"{c['prompt_accuracy']:.0%}"
         lines.append(
             f"{c['label']:<20} {final['psnr']:>8.2f} {final['ssim']:>7.4f} {final['cosine']:>8.5f} {last:>10} "
-            f"{worst_text:>11} {c['weight_bytes'] / 2**20:>8.2f} {c['seconds']:>7.2f}"
+            f"{worst_text:>11} {accuracy:>9} {c['weight_bytes'] / 2**20:>8.2f} {c['seconds']:>7.2f}"
         )
     return "\n".join(lines)
 
@@ -198,7 +231,7 @@ def write(
     """Measure ``runs`` (BF16 first) and write ``compare.json`` and ``compare.png`` into ``out``."""
     if not runs or runs[0].config.label != BF16:
         raise ValueError("the first run must be the BF16 reference")
-    configs = measure(runs, requests)
+    configs = measure(runs, requests, task_judge(model))
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "compare.json", model, settings, requests, configs)
     write_png(out / "compare.png", runs, configs)
