@@ -27,6 +27,7 @@ pytest.importorskip("msmodelslim")
 pytest.importorskip("vllm_omni")
 
 METHODS = ("mxfp4", "mxfp4_dualscale")
+SVD = "mxfp4 svd_res 16"
 SINGLE = "single_transformer_blocks.0"
 RUNNING = sorted(f"{SINGLE}.{name}" for name in ("attn.to_qkv", "proj_mlp", "proj_out"))
 EXPORTED = sorted(
@@ -48,7 +49,8 @@ IGNORED = sorted(
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Per method: the tiny pipeline, msModelSlim's export of it, msModelSlim's quantized model
-    (reference output and deployed weights) and the merge's output and report. Both exports are made
+    (reference output and deployed weights) and the merge's output and report; and :data:`SVD`'s
+    export, reference output and merge. Both exports are made
     before any test of this module initializes torch.distributed (``vllm_env``): msModelSlim's saver
     writes per-rank folders when it is."""
     found = {}
@@ -67,6 +69,15 @@ def runs(tmp_path_factory):
             linears={name: msmodelslim_sd.deployed_weight(module) for name, module in linears.items()},
             report=merge("auto", original, export, merged),
         )
+    # msModelSlim's svd_res (rank 16) then W4A4 MXFP4 on the same Linears, ascendv1 saver
+    root = tmp_path_factory.mktemp("flux1_svd")
+    original, export, merged = found["mxfp4"]["original"], root / "export", root / "merged"
+    model = flux1_export.run_recipe(original, export, "mxfp4", svd_rank=16)
+    found[SVD] = dict(
+        merged=merged,
+        reference=flux1_export.reference_forward(model),
+        report=merge("auto", original, export, merged),
+    )
     return found
 
 
@@ -138,3 +149,23 @@ def test_a_quantized_double_stream_linear_is_refused_by_name(runs, tmp_path):
     with pytest.raises(CheckpointError, match=message):
         merge("auto", original, export, out)
     assert not out.exists()
+
+
+def test_an_svd_res_export_is_merged_and_served_with_its_pairs(runs, vllm_env):
+    """Each quantized Linear keeps its rank-16 pair (fused Q/K/V: one per piece, one rank); served, the
+    model is as close to msModelSlim's own (its branch included) as the plain export is (cosine
+    0.9966 there), and closer than BF16 is."""
+    svd_run = runs[SVD]
+    tensors, config = msmodelslim_sd.merged_transformer(svd_run["merged"])
+    assert config["quantization_config"]["svd_lowrank_layers"] == dict.fromkeys(RUNNING, 16)
+    pairs = sorted(name[: -len(".svd_lowrank_l1")] for name in tensors if name.endswith(".svd_lowrank_l1"))
+    assert pairs == EXPORTED
+    model = flux1_export.engine_transformer(vllm_env, svd_run["merged"])
+    assert msmodelslim_sd.running_mx_layers(model) == RUNNING
+    assert all(model.get_submodule(name)._mx.low_rank == 16 for name in RUNNING)
+    ours = flux1_export.engine_forward(vllm_env, model)
+    bf16 = flux1_export.engine_forward(
+        vllm_env, flux1_export.engine_transformer(vllm_env, runs["mxfp4"]["original"])
+    )
+    assert cosine(ours, svd_run["reference"]) > 0.99
+    assert cosine(ours, svd_run["reference"]) > cosine(bf16, svd_run["reference"])

@@ -77,9 +77,11 @@ def build_pipeline(root: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def run_recipe(original: Path, save_path: Path, method: str) -> torch.nn.Module:
+def run_recipe(original: Path, save_path: Path, method: str, svd_rank: int = 0) -> torch.nn.Module:
     """msModelSlim's ``flux1`` adapter with the ``method`` config (``mxfp4`` / ``mxfp4_dualscale``) on
-    ``original``, saved to ``save_path`` (created); returns msModelSlim's quantized transformer."""
+    ``original``, saved to ``save_path`` (created); returns msModelSlim's quantized transformer.
+    ``svd_rank``: msModelSlim's ``svd_res`` step first on the same Linears, and the ascendv1 saver
+    (the one that writes the low-rank pairs)."""
     from diffusers import FluxTransformer2DModel
     from msmodelslim.model.flux1.model_adapter import FLUX1ModelAdapter
 
@@ -93,7 +95,11 @@ def run_recipe(original: Path, save_path: Path, method: str) -> torch.nn.Module:
         adapter.single_transformer_blocks_layers = adapter.transformer.config.num_single_layers
 
     adapter.load_pipeline = load_pipeline
-    msmodelslim_sd.run_service(msmodelslim_sd.recipe(method, INCLUDE, MODEL_CONFIG), adapter, save_path)
+    config = msmodelslim_sd.recipe(method, INCLUDE, MODEL_CONFIG)
+    if svd_rank:
+        config["spec"]["process"].insert(0, {"type": "svd_res", "rank": svd_rank, "include": INCLUDE})
+        config["spec"]["save"] = [{"type": "ascendv1_saver", "part_file_size": 0}]
+    msmodelslim_sd.run_service(config, adapter, save_path)
     return adapter.transformer
 
 
