@@ -447,3 +447,26 @@ def test_npu_kernels_run_the_stored_pair(vllm_env, merged_svd):
             assert sum(1 for layer in layers.values() if layer._mx.low_rank) >= 12
             got = forward(vllm_env, npu)
         assert torch.equal(got, want), (folder, (got - want).abs().max())
+
+
+def test_w4a8_layers_keep_the_stored_pair(vllm_env, merged_svd):
+    """A runtime W4A8 policy on the merged checkpoint (storage from its config.json, policy from the
+    user's): the W4A8 layer keeps its stored pair, and its output is its W4A8 GEMM plus the branch."""
+    import torch.nn.functional as F
+
+    from vllm_omni_mxfp4.config import Precision
+
+    spec = {"method": "mxfp4", "w4a8_fallback_layers": [DOWN]}
+    model = build_expert(vllm_env, merged_svd[0], spec)
+    layer = quantized_layers(model)[DOWN]
+    assert layer.quant_method.route.precision is Precision.W4A8 and layer._mx.low_rank == 16
+    x = torch.randn(5, layer.input_size_per_partition, generator=torch.Generator().manual_seed(3)).to(
+        torch.bfloat16
+    )
+    with vllm_env.context(), torch.no_grad():
+        full = layer.quant_method.forward(layer, x, None)
+        layer._mx.low_rank = 0
+        main = layer.quant_method.forward(layer, x, None)
+        layer._mx.low_rank = 16
+    branch = F.linear(F.linear(x, layer.svd_lowrank_l1), layer.svd_lowrank_l2)
+    assert torch.equal(full, main + branch)
