@@ -107,6 +107,18 @@ def parse_config(text: str, index: int) -> Config:
     return Config(label, kwargs)
 
 
+def check_config(config: Config) -> None:
+    """Build ``config``'s quantization config as the engine would (no engine, no weights), so that a
+    bad config is refused before the first engine starts; ``ValueError`` naming the label."""
+    from ..plugin import engine_quant_config
+
+    spec = config.omni_kwargs.get("quantization_config", config.omni_kwargs.get("quantization"))
+    try:
+        engine_quant_config(spec)
+    except Exception as exc:  # the factory's own error, whatever its type
+        raise ValueError(f"--config {config.label}: the engine refuses it: {exc}") from exc
+
+
 def frames_of(images: list[Any]) -> np.ndarray:
     """An output's ``images`` as one float32 array in ``[0, 1]``: ``images[0]`` when it is an array of
     frames (Wan2.2), all PIL images stacked otherwise (image pipelines)."""
@@ -220,6 +232,8 @@ def compare(
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
         raise ValueError(f"config labels {duplicates} are given twice; label each --config (label=...)")
+    for config in configs:
+        check_config(config)
     runs = []
     for config in (Config(BF16, {}), *configs):
         progress(f"{config.label}: Omni(model=..., {config.omni_kwargs or 'no quantization argument'})")
