@@ -470,3 +470,19 @@ def test_w4a8_layers_keep_the_stored_pair(vllm_env, merged_svd):
         layer._mx.low_rank = 16
     branch = F.linear(F.linear(x, layer.svd_lowrank_l1), layer.svd_lowrank_l2)
     assert torch.equal(full, main + branch)
+
+
+def test_rocm_kernel_runs_the_stored_pair(vllm_env, merged_svd, monkeypatch):
+    """The single-scale expert on the ROCm kernel (fake AITER, RCEIL era) equals the emulated kernel that
+    mirrors AITER's rule, pairs included (ROCm runs no DualScale, so transformer_2 is not tried)."""
+    from tests.kernels.conftest import install_aiter
+    from tests.support.layers import set_kernels
+    from vllm_omni_mxfp4.kernels import AiterSingle, EmulatedAiterSingle
+
+    install_aiter(monkeypatch, "rceil")
+    model = build_expert(vllm_env, merged_svd[0], None)
+    assert sum(1 for layer in quantized_layers(model).values() if layer._mx.low_rank) >= 12
+    set_kernels(model, lambda fmt: AiterSingle())
+    got = forward(vllm_env, model)
+    set_kernels(model, lambda fmt: EmulatedAiterSingle(rule="rceil", compute_dtype="float32"))
+    assert torch.equal(got, forward(vllm_env, model))
