@@ -295,6 +295,13 @@ Linear's original weight dtype (BF16 for the Wan2.2 experts); the runtime comput
 activation dtype."""
 
 
+def max_low_rank(rows: int | tuple[int, ...] | list[int], k: int) -> int:
+    """The largest rank a low-rank pair of a ``(N, K)`` weight can have, ``min(N, K)``; for a fused
+    Linear (``rows`` per piece, each piece its own pair) the smallest piece's."""
+    pieces = [rows] if isinstance(rows, int) else list(rows)
+    return min(*pieces, k)
+
+
 def low_rank_tensors(rank: int) -> tuple[CheckpointTensor, CheckpointTensor]:
     """The records of a stored rank-``rank`` low-rank pair (msModelSlim's ``svd_res``):
     ``svd_lowrank_l1 = V^T`` ``(rank, K)``, which a row-parallel shard slices along K like the

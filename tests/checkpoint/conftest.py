@@ -143,14 +143,18 @@ def merged_single_numeric(tmp_path_factory, single_export) -> tuple[Path, MergeR
     return out, report
 
 
+def writable_copy(tmp_path: Path, scenario: Scenario) -> tuple[Path, Path]:
+    """A copy of ``scenario``'s original pipeline and msModelSlim export under ``tmp_path``."""
+    original, quant = tmp_path / "orig", tmp_path / "quant"
+    shutil.copytree(scenario.original, original)
+    shutil.copytree(scenario.quant, quant)
+    return original, quant
+
+
 @pytest.fixture
 def expert_copy(tmp_path, dual_export):
     """A writable copy of the dual-scale pipeline + export, for fault injection."""
-    original = tmp_path / "orig"
-    quant = tmp_path / "quant"
-    shutil.copytree(dual_export.original, original)
-    shutil.copytree(dual_export.quant, quant)
-    return original, quant
+    return writable_copy(tmp_path, dual_export)
 
 
 # msModelSlim's shipped Wan2.2 recipes (issue #15) -------------------------------------------------
@@ -252,7 +256,4 @@ def merged_svd(tmp_path_factory, svd_export) -> tuple[Path, MergeReport]:
 @pytest.fixture
 def svd_copy(tmp_path, svd_export):
     """A writable copy of the svd_res pipeline + export, for fault injection."""
-    original, quant = tmp_path / "orig", tmp_path / "quant"
-    shutil.copytree(svd_export.original, original)
-    shutil.copytree(svd_export.quant, quant)
-    return original, quant
+    return writable_copy(tmp_path, svd_export)

@@ -17,6 +17,8 @@ by name.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -175,12 +177,20 @@ def _smooth_with_pair(nesting: str):
     return mutate
 
 
+def _add_pair(tensors: dict[str, torch.Tensor], layer: str) -> list[str]:
+    """A rank-16 BF16 pair of ones for ``layer`` (whose weight holds ``(N, K)``, unpacked); its names."""
+    n, k = tensors[f"{layer}.weight"].shape
+    tensors[f"{layer}.svd_lowrank_l1"] = torch.ones(16, k, dtype=torch.bfloat16)
+    tensors[f"{layer}.svd_lowrank_l2"] = torch.ones(n, 16, dtype=torch.bfloat16)
+    return [f"{layer}.svd_lowrank_l1", f"{layer}.svd_lowrank_l2"]
+
+
 def _add_pair_to(layer: str):
+    """An export edit: the pair, labelled FLOAT as msModelSlim labels one."""
+
     def mutate(tensors, entries):
-        n, k = tensors[f"{layer}.weight"].shape
-        tensors[f"{layer}.svd_lowrank_l1"] = torch.ones(16, k, dtype=torch.bfloat16)
-        tensors[f"{layer}.svd_lowrank_l2"] = torch.ones(n, 16, dtype=torch.bfloat16)
-        entries[f"{layer}.svd_lowrank_l1"] = entries[f"{layer}.svd_lowrank_l2"] = "FLOAT"
+        for name in _add_pair(tensors, layer):
+            entries[name] = "FLOAT"
 
     return mutate
 
@@ -263,10 +273,10 @@ def _edit_tensor(name: str, value):
 
 
 def _pair_on(layer: str):
+    """A merged-checkpoint edit: the pair, and no svd_lowrank_layers entry for it."""
+
     def mutate(tensors, ranks):
-        n, k = tensors[f"{layer}.weight"].shape
-        tensors[f"{layer}.svd_lowrank_l1"] = torch.ones(16, k, dtype=torch.bfloat16)
-        tensors[f"{layer}.svd_lowrank_l2"] = torch.ones(n, 16, dtype=torch.bfloat16)
+        _add_pair(tensors, layer)
 
     return mutate
 
@@ -313,8 +323,6 @@ LOAD_REFUSALS = {
 
 def _broken(merged, tmp_path, mutate):
     """A copy of the merged pipeline with ``mutate(tensors, svd_lowrank_layers)`` applied to transformer."""
-    import shutil
-
     out = tmp_path / "merged"
     shutil.copytree(merged, out)
     folder = out / "transformer"
@@ -341,7 +349,7 @@ def test_inspect_names(merged_svd, tmp_path, case):
 
     mutate, _, message = LOAD_REFUSALS[case]
     report = inspect_path(_broken(merged_svd[0], tmp_path, mutate), component="transformer")
-    assert any(__import__("re").search(message, p) for p in report.problems), report.problems
+    assert any(re.search(message, p) for p in report.problems), report.problems
 
 
 def test_inspect_shows_each_pair(merged_svd):

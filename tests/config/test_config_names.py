@@ -17,8 +17,24 @@ LINEARS = {f"blocks.{b}.{p}" for b in range(2) for p in (*PER_BLOCK, "ffn.net_0.
 
 
 def test_every_layer_list_of_both_methods_is_checked():
-    assert set(layer_lists(Mxfp4Config())) == {"ignored_layers", "mxfp8_layers", "w4a8_fallback_layers"}
-    assert set(layer_lists(Mxfp4DualScaleConfig())) == {"ignored_layers", "mxfp8_layers"}
+    lists = {"ignored_layers", "mxfp8_layers", "svd_lowrank_layers"}
+    assert set(layer_lists(Mxfp4Config())) == {*lists, "w4a8_fallback_layers"}
+    assert set(layer_lists(Mxfp4DualScaleConfig())) == lists
+
+
+def test_a_low_rank_entry_must_name_a_quantized_linear():
+    """A checkpoint's svd_lowrank_layers entry matching no Linear would be ignored silently (its layer
+    loads no pair); one naming a plain Linear could not load its pair."""
+    ranks = {"blocks.1.ffn.net_2": 16}
+    check_model_names(Mxfp4Config(is_checkpoint_mxfp4_serialized=True, svd_lowrank_layers=ranks), LINEARS, 2)
+    typo = Mxfp4Config(is_checkpoint_mxfp4_serialized=True, svd_lowrank_layers={"blocks.1.ffn.net2": 16})
+    with pytest.raises(
+        ValueError, match=r"svd_lowrank_layers entry 'blocks\.1\.ffn\.net2' matches no Linear"
+    ):
+        check_model_names(typo, LINEARS, 2)
+    plain = Mxfp4Config(is_checkpoint_mxfp4_serialized=True, svd_lowrank_layers={"proj_out": 16})
+    with pytest.raises(ValueError, match=r"svd_lowrank_layers entry 'proj_out' is a plain torch\.nn\.Linear"):
+        check_model_names(plain, {*LINEARS, "proj_out"}, 2, plain={"proj_out"})
 
 
 @pytest.mark.parametrize("key", ["ignored_layers", "w4a8_fallback_layers"])

@@ -436,11 +436,11 @@ class MergeInputs:
         self._check_tensor_set(layer)
         records = self.layer_records(layer)
         rank = self.layer_rank(layer)
-        if rank > min(n, k):
+        if rank > spec.max_low_rank(n, k):
             raise _fail(
                 self.by_layer[layer][spec.LOW_RANK_L1].ref,
                 spec.LOW_RANK_L1,
-                f"has rank {rank}, above min(N, K) = {min(n, k)} of the original Linear {layer} of shape "
+                f"has rank {rank}, above min(N, K) = {spec.max_low_rank(n, k)} of the original Linear {layer} of shape "
                 f"[{n}, {k}]: a low-rank pair has at most that rank (msModelSlim's svd_res refuses it); the pair "
                 "belongs to another layer or the file is corrupt",
             )

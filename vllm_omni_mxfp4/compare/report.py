@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +71,6 @@ Judge = Callable[[str, np.ndarray], "dict[str, bool] | None"]
 
 def task_judge(model: str) -> Judge | None:
     """The judge of the first installed task metric that knows ``model``, or None."""
-    from importlib.metadata import entry_points
-
     for entry in entry_points(group=TASK_METRICS):
         judge = entry.load()(model)
         if judge is not None:

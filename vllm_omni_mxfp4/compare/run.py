@@ -24,6 +24,8 @@ import numpy as np
 from tqdm import tqdm
 
 from .. import envs
+from ..inspection.engine import WORKER_EXTENSION, transformer_reports
+from ..plugin import engine_quant_config
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +112,6 @@ def parse_config(text: str, index: int) -> Config:
 def check_config(config: Config) -> None:
     """Build ``config``'s quantization config as the engine would (no engine, no weights), so that a
     bad config is refused before the first engine starts; ``ValueError`` naming the label."""
-    from ..plugin import engine_quant_config
-
     spec = config.omni_kwargs.get("quantization_config", config.omni_kwargs.get("quantization"))
     try:
         engine_quant_config(spec)
@@ -154,8 +154,6 @@ def _steps(directory: Path) -> list[np.ndarray]:
 def engine_kwargs(model: str, config: Config) -> dict[str, Any]:
     """``Omni(model=model, ...)``'s keyword arguments for ``config``: the report extension, a two-expert
     pipeline's ``boundary_ratio`` from its ``model_index.json`` (vLLM-Omni does not read it there)."""
-    from ..inspection.engine import WORKER_EXTENSION
-
     kwargs: dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION}
     boundary = model_boundary_ratio(model)
     if boundary is not None:
@@ -177,8 +175,6 @@ def run_config(
 ) -> ConfigRun:
     """Build ``config``'s engine, run every request, shut the engine down."""
     from vllm_omni import Omni
-
-    from ..inspection.engine import transformer_reports
 
     trajectory = work / config.label
     if trajectory.exists():

@@ -19,15 +19,17 @@ from __future__ import annotations
 import difflib
 from collections.abc import Collection, Iterable, Mapping
 
-from .keys import check_layers, layer_order, show_value
+from .keys import check_layers, check_low_rank_layers, layer_order, show_value
 from .methods import QuantConfig
 
 
 def layer_lists(config: QuantConfig) -> dict[str, tuple[str, ...]]:
     """Every list of Linear paths in ``config`` (``ignored_layers``, ``w4a8_fallback_layers``, ...),
-    by key: the fields validated by :func:`.keys.check_layers`."""
+    by key: the fields validated by :func:`.keys.check_layers`, and the Linears that
+    ``svd_lowrank_layers`` (:func:`.keys.check_low_rank_layers`) gives a rank."""
     fields = type(config).__dataclass_fields__.values()
-    return {f.name: getattr(config, f.name) for f in fields if f.metadata.get("check") is check_layers}
+    checks = (check_layers, check_low_rank_layers)
+    return {f.name: tuple(getattr(config, f.name)) for f in fields if f.metadata.get("check") in checks}
 
 
 STORAGE_RULE = (
@@ -97,8 +99,8 @@ def check_model_names(
     modules: Mapping[str, str] | None = None,
     storage: Collection[str] = (),
 ) -> list[tuple[str, str]]:
-    """Refuse layer-list entries that name no Linear of the built model, ``mxfp8_layers`` entries
-    naming a plain Linear, and a ``num_bf16_fallback_layers`` larger than its block count.
+    """Refuse layer-list entries that name no Linear of the built model, ``mxfp8_layers`` and
+    ``svd_lowrank_layers`` entries naming a plain Linear, and a ``num_bf16_fallback_layers`` larger than its block count.
 
     ``linears``: the runtime paths of the model's Linear layers (what ``get_quant_method`` saw).
     ``num_blocks``: its number of transformer blocks (``None``: unknown, not checked).
@@ -115,13 +117,14 @@ def check_model_names(
     """
     skipped = tuple(prefix + "." for prefix in unverifiable)
     accepted = _check_layer_lists(config, linears, model, skipped, modules or {}, storage)
-    for name in getattr(config, "mxfp8_layers", ()):
-        if name in plain:
-            raise ValueError(
-                f"mxfp8_layers entry {name!r} is a plain torch.nn.Linear of {model}, which vLLM-Omni builds "
-                "without a quantization method: it runs in BF16 and cannot load MXFP8 tensors. Remove it "
-                "from mxfp8_layers and store this layer's original BF16 weight."
-            )
+    for key, what in (("mxfp8_layers", "MXFP8 tensors"), ("svd_lowrank_layers", "a low-rank pair")):
+        for name in getattr(config, key, ()):
+            if name in plain:
+                raise ValueError(
+                    f"{key} entry {name!r} is a plain torch.nn.Linear of {model}, which vLLM-Omni builds "
+                    f"without a quantization method: it runs in BF16 and cannot load {what}. Remove it "
+                    f"from {key} and store this layer's original BF16 weight."
+                )
     leading = getattr(config, "num_bf16_fallback_layers", None)
     if num_blocks is None or leading is None or config.is_serialized or leading <= num_blocks:
         return accepted

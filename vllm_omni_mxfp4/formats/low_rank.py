@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..spec import max_low_rank
+
 OVERSAMPLING = 8
 """Extra random directions the randomized SVD draws beyond the rank (its accuracy margin)."""
 
@@ -42,9 +44,9 @@ def low_rank_pair(
             f"{where}: a low-rank branch needs a 2-D weight (N, K), got shape {tuple(weight.shape)}"
         )
     n, k = weight.shape
-    if not 0 < rank <= min(n, k):
+    if not 0 < rank <= max_low_rank(n, k):
         raise ValueError(
-            f"{where}: svd_rank {rank} must lie in [1, min(N, K)] = [1, {min(n, k)}] for a weight of shape "
+            f"{where}: svd_rank {rank} must lie in [1, min(N, K)] = [1, {max_low_rank(n, k)}] for a weight of shape "
             f"({n}, {k}); use a smaller svd_rank"
         )
     w = weight.detach().to(device="cpu", dtype=torch.float32)

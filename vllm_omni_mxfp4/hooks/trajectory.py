@@ -19,6 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+import torch.distributed as dist
+
 from .. import envs
 from ..patching import wrap_logged
 
@@ -29,16 +33,11 @@ _STEPS = itertools.count()
 
 
 def _first_rank() -> bool:
-    import torch.distributed as dist
-
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def save_step(directory: str, latents: Any) -> Path | None:
     """Save one step's latents (a tensor, or the first of a tuple) under ``directory``; the path."""
-    import numpy as np
-    import torch
-
     tensor = latents[0] if isinstance(latents, tuple) else latents
     if not isinstance(tensor, torch.Tensor) or not _first_rank():
         return None

@@ -74,7 +74,7 @@ def check_rank(
     prefix: str, method: str, rank: int, pieces: list[int], k_full: int, *, stored: bool = False
 ) -> None:
     """Refuse, before any allocation, a rank that some piece ``(N_piece, K)`` cannot have."""
-    smallest = min(min(pieces), k_full)
+    smallest = spec.max_low_rank(pieces, k_full)
     if rank > smallest:
         shapes = ", ".join(f"({n}, {k_full})" for n in pieces)
         what = f"svd_lowrank_layers gives rank {rank}, which" if stored else f"svd_rank {rank}"
