@@ -83,6 +83,12 @@ CASES: dict[str, Case] = {
     "VLLM_OMNI_MXFP4_TRAJECTORY_DIR": Case(
         envs.trajectory_dir, None, {}, free_text=("compare-out/bf16", "/tmp/a b/steps")
     ),
+    "VLLM_OMNI_MXFP4_KEEP_BF16": Case(
+        envs.keep_bf16,
+        False,
+        {"1": True, "ON": True, "true": True, "0": False, "no": False},
+        ("2", "keep", "bf16"),
+    ),
     "VLLM_OMNI_MXFP4_CPU_PLATFORM": Case(
         envs.cpu_platform_mode,
         "auto",

@@ -150,6 +150,14 @@ TRAJECTORY_DIR = EnvVar(
     "directory; what `vllm-omni-mxfp4 compare` measures each step on.",
     _text,
 )
+KEEP_BF16 = EnvVar(
+    "VLLM_OMNI_MXFP4_KEEP_BF16",
+    "0",
+    "1/true/yes/on, 0/false/no/off",
+    "Online quantization keeps each quantized Linear's BF16 weight (in host memory, beside the packed "
+    "one) so that any layer can run in BF16 later; what `vllm-omni-mxfp4 tune` sets for its engine.",
+    _flag,
+)
 CPU_PLATFORM = EnvVar(
     "VLLM_OMNI_MXFP4_CPU_PLATFORM",
     "auto",
@@ -195,6 +203,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     EMULATED_COMPUTE,
     TRACE_FILE,
     TRAJECTORY_DIR,
+    KEEP_BF16,
     CPU_PLATFORM,
     CPU_DEVICES,
     CPU_VISIBLE_DEVICES,
@@ -232,6 +241,11 @@ def trace_file() -> str | None:
 def trajectory_dir() -> str | None:
     """``VLLM_OMNI_MXFP4_TRAJECTORY_DIR``: where each denoising step's latents go, or ``None``."""
     return TRAJECTORY_DIR.read()
+
+
+def keep_bf16() -> bool:
+    """``VLLM_OMNI_MXFP4_KEEP_BF16``: online quantization keeps the BF16 weights (default off)."""
+    return KEEP_BF16.read()
 
 
 def cpu_platform_mode() -> str:

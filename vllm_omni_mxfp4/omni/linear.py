@@ -30,6 +30,7 @@ from torch.nn import Parameter
 from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear, UnquantizedLinearMethod
 from vllm.model_executor.utils import set_weight_attrs
 
+from .. import envs
 from ..config import LayerRoute, Precision, QuantConfig
 from ..kernels import KernelSelector, MxKernel, MxLayerSpec
 from ..spec import BIAS, FORMATS, VALUE_RULES, CheckpointTensor, checkpoint_tensors
@@ -302,6 +303,8 @@ class MxLinearMethod(LinearMethodBase):
         state: MxLayerState = layer._mx
         tensors = state.kernel.quantize_weight(layer.weight.data, state.spec)
         front, k = state.geometry.front, state.geometry.k
+        if envs.keep_bf16():  # for tune: the partition's own K, without the block-alignment padding
+            state.bf16_weight = layer.weight.data[:, front : front + k].to("cpu", copy=True)
         if front or state.geometry.back:
             tensors["weight"] = tensors["weight"][:, front // 2 : (front + k) // 2].contiguous()
         for name, value in tensors.items():
@@ -394,15 +397,22 @@ class MxLinearMethod(LinearMethodBase):
             return torch.ops.vllm_omni_mxfp4.linear(x, bias, layer._mx.handle)
         return self.forward(layer, x, bias)
 
-    def forward(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The eager forward (also the body of the custom op)."""
+    def forward(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        precision: Precision | None = None,
+    ) -> torch.Tensor:
+        """The eager forward (also the body of the custom op); ``precision``, when given, replaces the
+        route's decision (``vllm-omni-mxfp4 tune`` runs a layer at either precision)."""
         state: MxLayerState = layer._mx
         if state.phase is not Phase.PREPARED:
             raise RuntimeError(
                 f"{self.prefix}: process_weights_after_loading() has not run; load the model through "
                 "vLLM-Omni's loader or call it on every quantized layer after load_weights()"
             )
-        precision = self.route.precision_now()
+        precision = precision or self.route.precision_now()
         trace.record(layer, self.method_name, self.prefix, precision, state.kernel.backend)
         prepared = getattr(layer, PREPARED_ATTR)
         x2d = x.reshape(-1, x.shape[-1])

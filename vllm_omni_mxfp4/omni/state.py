@@ -83,6 +83,9 @@ class MxLayerState:
     loaded: dict[str, int] = field(default_factory=dict)
     load_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     low_rank: int = 0  # svd_rank of the layer's online low-rank branch (omni.low_rank); 0: none
+    bf16_weight: torch.Tensor | None = None
+    """Online, with ``VLLM_OMNI_MXFP4_KEEP_BF16``: this partition's loaded BF16 weight ``(N, K)``, kept
+    on the host after quantization, so that ``vllm-omni-mxfp4 tune`` can run the layer in BF16."""
 
     def loaded_count(self, name: str) -> int:
         """Elements of parameter ``name`` written so far."""
