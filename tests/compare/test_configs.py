@@ -16,13 +16,23 @@ def test_the_three_forms_and_labels(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(spec))
     assert parse_config(f"@{path}", 2) == Config("mxfp4-2", {"quantization_config": spec})
+    per = {
+        "transformer": {"method": "mxfp4", "ignored_layers": ["blocks.0.ffn.net_2"]},
+        "transformer_2": "mxfp4",
+    }
+    path.write_text(json.dumps(per))  # tune writes this form where the experts differ
+    assert parse_config(f"@{path}", 3) == Config("per-component-3", {"quantization_config": per})
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("{not json", r"--config '\{not json': not valid JSON"),
-        ('{"svd_rank": 16}', r'expected a JSON object with a "method" key'),
+        (
+            '{"svd_rank": 16}',
+            r"--config '\{\"svd_rank\": 16\}': The quantization config has keys \['svd_rank'\] but no 'method'",
+        ),
+        ('{"method": "mxfp4", "svd_rank": -1}', r"svd_rank must be a non-negative integer"),
         ("@/nonexistent/config.json", r"cannot read /nonexistent/config\.json"),
         ("bf16=mxfp4", r"the label 'bf16' is the reference's"),
         ("mx fp4", r"expected a method name \(mxfp4\), a JSON object"),
@@ -35,7 +45,7 @@ def test_bad_values_are_named(text, message):
 
 def test_a_config_the_engine_refuses_fails_before_any_engine(tmp_path):
     pytest.importorskip("vllm_omni")
-    bad = parse_config('bad={"method": "mxfp4", "svd_rank": -1}', 0)
+    bad = Config("bad", {"quantization_config": {"method": "mxfp4", "svd_rank": -1}})  # as if parsing let it by
     with pytest.raises(
         ValueError, match=r"--config bad: the engine refuses it: .*svd_rank must be a non-negative integer"
     ):

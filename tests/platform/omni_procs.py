@@ -28,6 +28,7 @@ __all__ = [
     "run_engine_job",
     "serve_command",
     "subprocess_env",
+    "video_job",
     "wait_until_healthy",
 ]
 
@@ -66,6 +67,22 @@ def wait_until_healthy(base: str, server: subprocess.Popen, log: Path, deadline_
             pass
         time.sleep(1.0)
     raise AssertionError(f"server not healthy within {deadline_s:.0f}s:\n{log_tail(log)}")
+
+
+def video_job(base: str, form: dict[str, str], log: Path, deadline_s: float = 180.0) -> dict:
+    """``POST {base}/v1/videos`` with ``form``, then poll until the job completes (or fails, or the
+    deadline passes: the test fails with the server log's tail); the finished job."""
+    import requests
+
+    created = requests.post(f"{base}/v1/videos", files={k: (None, v) for k, v in form.items()}, timeout=30)
+    assert created.status_code == 200, created.text
+    job = created.json()
+    deadline = time.monotonic() + deadline_s
+    while job["status"] not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        job = requests.get(f"{base}/v1/videos/{job['id']}", timeout=10.0).json()
+    assert job["status"] == "completed", f"job not completed: {job}\n{log_tail(log)}"
+    return job
 
 
 def serve_command(model: Path, port: int) -> list[str]:

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from omni_procs import (
     run_bounded,
     serve_command,
     subprocess_env,
+    video_job,
     wait_until_healthy,
 )
 
@@ -52,18 +52,8 @@ def _serve_args(model: Path, port: int, config: dict) -> list[str]:
 
 
 def _one_video(base: str, log: Path) -> dict:
-    import requests
-
     form = {"prompt": "a cat", "width": "16", "height": "16", "num_frames": "9", "num_inference_steps": "2"}
-    created = requests.post(f"{base}/v1/videos", files={k: (None, v) for k, v in form.items()}, timeout=30)
-    assert created.status_code == 200, created.text
-    job = created.json()
-    deadline = time.monotonic() + JOB_DEADLINE_S
-    while job["status"] not in ("completed", "failed") and time.monotonic() < deadline:
-        time.sleep(0.5)
-        job = requests.get(f"{base}/v1/videos/{job['id']}", timeout=HTTP_TIMEOUT_S).json()
-    assert job["status"] == "completed", f"job not completed: {job}\n{log_tail(log)}"
-    return job
+    return video_job(base, form, log, JOB_DEADLINE_S)
 
 
 @pytest.mark.parametrize(

@@ -128,13 +128,13 @@ def measure(
     return out
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     if isinstance(value, float):
         return _number(value)
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     return value
 
 
@@ -148,7 +148,7 @@ def write_json(
         "requests": [vars(r) for r in requests],
         "configs": configs,
     }
-    path.write_text(json.dumps(_jsonable(document), indent=2) + "\n")
+    path.write_text(json.dumps(jsonable(document), indent=2) + "\n")
 
 
 def summary_table(configs: list[dict]) -> str:

@@ -15,7 +15,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .. import envs
+from ..config import parse_quantization
 from ..inspection.engine import WORKER_EXTENSION, transformer_reports
 from ..plugin import engine_quant_config
 
@@ -52,6 +54,7 @@ class Settings:
     guidance_scale: float | None = None
     guidance_scale_2: float | None = None  # Wan2.2's low-noise expert
     negative_prompt: str = ""
+    image: str | None = None  # the input image of an image-to-video pipeline (a file path)
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,9 @@ class ConfigRun:
 
 
 def parse_config(text: str, index: int) -> Config:
-    """A ``--config`` value: a method name (``mxfp4``), an inline JSON object, or ``@file.json``;
-    optionally ``label=`` in front. ``ValueError`` naming the value otherwise."""
+    """A ``--config`` value: a method name (``mxfp4``), an inline JSON object (a flat config, or a
+    per-component one as ``tune`` writes), or ``@file.json``; optionally ``label=`` in front.
+    ``ValueError`` naming the value otherwise."""
     label, sep, spec = text.partition("=")
     if not sep or label.strip().startswith(("{", "@")):
         label, spec = "", text
@@ -92,10 +96,15 @@ def parse_config(text: str, index: int) -> Config:
             value = json.loads(spec)
         except json.JSONDecodeError as exc:
             raise ValueError(f"--config {text!r}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(value, dict) or not isinstance(value.get("method", value.get("quant_method")), str):
-            raise ValueError(f'--config {text!r}: expected a JSON object with a "method" key')
+        if not isinstance(value, dict):
+            raise ValueError(f"--config {text!r}: expected a JSON object (a flat or a per-component config)")
+        try:
+            parse_quantization(value)  # flat ({"method": ...}) or per component ({"transformer": ...})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--config {text!r}: {exc}") from None
         kwargs: dict[str, Any] = {"quantization_config": value}
         method = value.get("method", value.get("quant_method"))
+        method = method if isinstance(method, str) else "per-component"
     elif spec and spec.replace("_", "").isalnum():
         kwargs, method = {"quantization": spec}, spec
     else:
@@ -127,7 +136,8 @@ def frames_of(images: list[Any]) -> np.ndarray:
     return np.stack([np.asarray(image, dtype=np.float32) for image in images]) / np.float32(255.0)
 
 
-def _params(settings: Settings, seed: int) -> Any:
+def sampling_params(settings: Settings, seed: int) -> Any:
+    """vLLM-Omni's sampling parameters of one generation under ``settings``."""
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
     given = {
@@ -142,7 +152,7 @@ def _params(settings: Settings, seed: int) -> Any:
     )
 
 
-def _steps(directory: Path) -> list[np.ndarray]:
+def take_steps(directory: Path) -> list[np.ndarray]:
     """The latents the engine saved since the directory was last emptied, in step order; emptied."""
     paths = sorted(directory.glob("*.npy"))
     steps = [np.load(path) for path in paths]
@@ -170,40 +180,53 @@ def model_boundary_ratio(model: str | Path) -> float | None:
     return float(value) if value is not None else None
 
 
+@contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set process environment variables for the ``with`` block (an engine's worker processes inherit
+    them when they start), then restore them."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def generate(omni: Any, request: Request, settings: Settings) -> Any:
+    """One generation of ``request`` under ``settings``; vLLM-Omni's first output."""
+    prompt: dict[str, Any] = {"prompt": request.prompt, "negative_prompt": settings.negative_prompt}
+    if settings.image is not None:
+        prompt["multi_modal_data"] = {"image": settings.image}
+    return omni.generate(prompt, sampling_params(settings, request.seed))[0]
+
+
 def run_config(
     model: str, config: Config, requests: Sequence[Request], settings: Settings, work: Path
 ) -> ConfigRun:
     """Build ``config``'s engine, run every request, shut the engine down."""
     from vllm_omni import Omni
 
-    trajectory = work / config.label
-    if trajectory.exists():
-        shutil.rmtree(trajectory)
-    trajectory.mkdir(parents=True)
-    name, previous = envs.TRAJECTORY_DIR.name, os.environ.get(envs.TRAJECTORY_DIR.name)
-    os.environ[name] = str(trajectory)  # the engine's worker processes inherit it
+    trajectory = fresh_dir(work / config.label)
     run = ConfigRun(config)
-    try:
+    with environment({envs.TRAJECTORY_DIR.name: str(trajectory)}):
         start = time.perf_counter()
         omni = Omni(model=model, **engine_kwargs(model, config))
         run.start_seconds = time.perf_counter() - start
         try:
             run.weight_bytes = sum(t.weight_bytes for t in transformer_reports(omni))
-            _steps(trajectory)  # the engine's warm-up request
+            take_steps(trajectory)  # the engine's warm-up request
             for request in tqdm(requests, desc=config.label, unit="generation", leave=False):
                 start = time.perf_counter()
-                prompt = {"prompt": request.prompt, "negative_prompt": settings.negative_prompt}
-                outputs = omni.generate(prompt, _params(settings, request.seed))
+                output = generate(omni, request, settings)
                 run.seconds.append(time.perf_counter() - start)
-                run.frames.append(frames_of(outputs[0].images))
-                run.trajectories.append(_steps(trajectory))
+                run.frames.append(frames_of(output.images))
+                run.trajectories.append(take_steps(trajectory))
         finally:
             omni.shutdown()
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
     if not any(run.trajectories):
         logger.warning(
             "%s: the pipeline recorded no denoising step (it does not step through vLLM-Omni's "
@@ -211,6 +234,14 @@ def run_config(
             config.label,
         )
     return run
+
+
+def fresh_dir(path: Path) -> Path:
+    """``path`` as a new empty directory."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
 
 
 def compare(

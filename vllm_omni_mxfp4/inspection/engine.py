@@ -146,7 +146,7 @@ class TransformerReportExtension:
                 "nvfp4": list(getattr(getattr(module, PLAN_ATTR, None), "records", [])),
             }
         local = {"rank": int(getattr(self, "rank", 0)), "transformers": transformers}
-        world = _world_group()
+        world = world_group()
         if world is None or world.world_size == 1:
             return {"ranks": [local]}
         gathered: list[Any] = [None] * world.world_size
@@ -154,7 +154,7 @@ class TransformerReportExtension:
         return {"ranks": gathered}
 
 
-def _world_group() -> Any:
+def world_group() -> Any:
     """vLLM-Omni's diffusion world group, or None when no distributed environment is up."""
     from vllm_omni.diffusion.distributed import parallel_state
 
