@@ -250,11 +250,13 @@ RANKS: dict[str, int] = {
     "checkpoint": 6,
     "convert": 6,
     "hooks": 6,
-    # 7: the plugin and inspect; 8: compare (engines with inspect's report); 9: the command line over them
+    # 7: the plugin and inspect; 8: compare (engines with inspect's report); 9: tune (one engine, compare's
+    # measures); 10: the command line over them
     "plugin": 7,
     "inspection": 7,
     "compare": 8,
-    "cli": 9,
+    "tune": 9,
+    "cli": 10,
 }
 
 

@@ -461,6 +461,14 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
+def _image(path: str | None) -> str | None:
+    """An ``--image`` file, checked before any engine starts."""
+    if path is not None and not Path(path).is_file():
+        print(f"vllm-omni-mxfp4: error: --image {path}: no such file", file=sys.stderr)
+        raise SystemExit(2)
+    return path
+
+
 def run_compare(args: argparse.Namespace) -> int:
     """Run ``compare``; prints progress and the summary table."""
     from .compare.report import summary_table, write
@@ -482,6 +490,7 @@ def run_compare(args: argparse.Namespace) -> int:
         guidance_scale=args.guidance_scale,
         guidance_scale_2=args.guidance_scale_2,
         negative_prompt=args.negative_prompt,
+        image=_image(args.image),
     )
     out = Path(args.out)
     _say(f"compare: {len(configs) + 1} configs x {len(requests)} request(s), {args.steps} steps -> {out}")
@@ -528,6 +537,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help="Wan2.2's low-noise expert guidance (default: the pipeline's).",
     )
     parser.add_argument("--negative-prompt", default="", help="Negative prompt (default none).")
+    parser.add_argument("--image", default=None, help="Input image file of an image-to-video pipeline.")
     parser.add_argument("--out", default="compare-out", help="Output directory (default compare-out).")
 
 
@@ -535,6 +545,158 @@ def _compare_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.seed is None:
         args.seed = [0]
     return args
+
+
+TUNE_DESCRIPTION = """\
+Find what to keep in higher precision. One engine quantizes MODEL online with --method (keeping the
+BF16 weights on the host) and runs, on the tuning prompts x seeds:
+
+1. a scoring pass: the BF16 trajectory, each quantized Linear's W4A4 (and W4A8) output against its
+   BF16 output on the model's own activations at every step (local scores), and each step's
+   transformer prediction at W4A4 and W4A8 against BF16 (step scores);
+2. all Linears W4A4;
+3. each candidate (the Linears with the largest local error) alone in W4A4, everything else BF16:
+   its end-to-end gain is the trajectory error it causes alone, as a share of all-W4A4's;
+4. the selected configuration.
+
+That is (candidates + 3) generations per tuning request. The selection keeps in BF16 the Linears
+with the largest gains within --max-bf16-layers / --max-bf16-fraction (by gain per byte under a byte
+budget), runs W4A8 on the Linears and steps W4A8 helps most (single-scale mxfp4 only). With
+--eval-prompt / --eval-seed, BF16, all-W4A4, the first-N-blocks rule, the edge prior (outside the
+blocks, then first and last blocks, as ModelOpt's Wan filter) and 5 random picks at the same budget
+run on those held-out requests next to the tuned config, measured as compare measures them.
+
+Writes OUT/config.json (the config to serve: Omni(quantization_config=...) or vllm serve --omni
+--diffusion-quantization-config "$(cat OUT/config.json)"), OUT/scores.csv, OUT/scores.json and
+OUT/report.png, and prints a summary.
+
+Exit status: 0 done, 2 bad arguments or a model/config the engine refused."""
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    """Run ``tune``; prints progress and the summary."""
+    from .compare.run import Request, Settings
+    from .tune.report import summary_table, write
+    from .tune.run import tune
+    from .tune.select import Budget
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    try:
+        budget = Budget(
+            args.max_bf16_layers, args.max_bf16_fraction, args.max_w4a8_layers, args.max_w4a8_steps
+        )
+        prompts = _prompts(args.prompt, args.prompt_file, "--prompt / --prompt-file")
+        eval_prompts = _prompts(
+            args.eval_prompt, args.eval_prompt_file, "--eval-prompt / --eval-prompt-file", []
+        )
+    except ValueError as exc:
+        print(f"vllm-omni-mxfp4 tune: error: {exc}", file=sys.stderr)
+        return 2
+    if args.max_bf16_layers is None and args.max_bf16_fraction is None:
+        budget = Budget(1, None, args.max_w4a8_layers, args.max_w4a8_steps)
+    tuning = [Request(p, s) for p in prompts for s in args.seed or [0]]
+    evaluation = [Request(p, s) for p in (eval_prompts or prompts) for s in args.eval_seed or []]
+    settings = Settings(
+        steps=args.steps,
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        guidance_scale=args.guidance_scale,
+        guidance_scale_2=args.guidance_scale_2,
+        negative_prompt=args.negative_prompt,
+        image=_image(args.image),
+    )
+    out = Path(args.out)
+    _say(
+        f"tune: {args.method}, {len(tuning)} tuning and {len(evaluation)} evaluation request(s), "
+        f"{args.steps} steps -> {out}"
+    )
+    try:
+        result = tune(
+            args.model, args.method, tuning, settings, budget, out / "work", evaluation, args.candidates, _say
+        )
+    except ValueError as exc:
+        _say(f"vllm-omni-mxfp4 tune: error: {exc}")
+        return 2
+    write(out, result)
+    _say(summary_table(result))
+    _say(f"wrote {out / 'config.json'}, {out / 'scores.csv'}, {out / 'scores.json'} and {out / 'report.png'}")
+    return 0
+
+
+def _prompts(
+    given: list[str] | None, files: list[str] | None, flag: str, default: list | None = None
+) -> list[str]:
+    """Prompts from repeated flags and files (one prompt per non-empty line)."""
+    prompts = list(given or [])
+    for name in files or []:
+        try:
+            prompts += [line.strip() for line in Path(name).read_text().splitlines() if line.strip()]
+        except OSError as exc:
+            raise ValueError(f"{flag}: cannot read {name}: {exc.strerror}") from None
+    if not prompts and default is None:
+        raise ValueError(f"{flag}: give at least one prompt")
+    return prompts
+
+
+def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``tune``."""
+    parser.add_argument(
+        "model", metavar="MODEL", help="A BF16 diffusers pipeline directory (or a model name)."
+    )
+    parser.add_argument(
+        "--method", choices=("mxfp4", "mxfp4_dualscale"), default="mxfp4", help="Method (default mxfp4)."
+    )
+    parser.add_argument("--out", default="tune-out", help="Output directory (default tune-out).")
+    run = parser.add_argument_group("run options")
+    run.add_argument("--prompt", action="append", help="A tuning prompt (repeatable).")
+    run.add_argument(
+        "--prompt-file", action="append", help="A file of tuning prompts, one per line (repeatable)."
+    )
+    run.add_argument("--seed", action="append", type=int, help="A tuning seed (repeatable; default 0).")
+    run.add_argument(
+        "--eval-prompt",
+        action="append",
+        help="A held-out evaluation prompt (repeatable; default: the tuning prompts).",
+    )
+    run.add_argument("--eval-prompt-file", action="append", help="A file of evaluation prompts (repeatable).")
+    run.add_argument(
+        "--eval-seed",
+        action="append",
+        type=int,
+        help="A held-out evaluation seed (repeatable; none: no evaluation).",
+    )
+    run.add_argument("--steps", type=int, default=20, help="Denoising steps (default 20).")
+    run.add_argument("--height", type=int, default=None, help="Output height (default: the pipeline's).")
+    run.add_argument("--width", type=int, default=None, help="Output width (default: the pipeline's).")
+    run.add_argument("--num-frames", type=int, default=None, help="Video frames (default: the pipeline's).")
+    run.add_argument(
+        "--guidance-scale", type=float, default=None, help="Guidance scale (default: the pipeline's)."
+    )
+    run.add_argument(
+        "--guidance-scale-2", type=float, default=None, help="Wan2.2's low-noise expert guidance."
+    )
+    run.add_argument("--negative-prompt", default="", help="Negative prompt (default none).")
+    run.add_argument("--image", default=None, help="Input image file of an image-to-video pipeline.")
+    budget = parser.add_argument_group("budget options (default: --max-bf16-layers 1)")
+    budget.add_argument(
+        "--max-bf16-layers", type=int, default=None, metavar="N", help="At most N Linears in BF16."
+    )
+    budget.add_argument(
+        "--max-bf16-fraction", type=float, default=None, metavar="F",
+        help="At most this share (0..1) of the quantized Linears' BF16 weight bytes in BF16.",
+    )  # fmt: skip
+    budget.add_argument(
+        "--max-w4a8-layers", type=int, default=0, metavar="M", help="At most M W4A8 Linears (mxfp4 only)."
+    )
+    budget.add_argument(
+        "--max-w4a8-steps", type=int, default=0, metavar="S", help="At most S W4A8 steps (mxfp4 only)."
+    )
+    budget.add_argument(
+        "--candidates", type=int, default=None, metavar="C",
+        help="Linears scored end to end (default: twice what the budget holds, at least 8).",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -576,6 +738,13 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         COMPARE_DESCRIPTION,
         add_compare_arguments,
         lambda args: run_compare(_compare_defaults(args)),
+    ),
+    Subcommand(
+        "tune",
+        "Score each quantized Linear and step; choose what stays BF16/W4A8 under a budget; write the config.",
+        TUNE_DESCRIPTION,
+        add_tune_arguments,
+        run_tune,
     ),
 )
 

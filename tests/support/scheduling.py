@@ -27,6 +27,8 @@ DOC_SESSIONS = ("tests/docs/test_doc_blocks.py", "test_doc_session_runs")
 #: Group-name prefixes, longest units first (from --durations runs on the 2-core machine).
 LONGEST = (
     "tests/demo/test_models_e2e.py",
+    "tests/tune/test_tune_e2e.py",
+    "tests/demo/test_tune_families.py",
     "tests/checkpoint/",
     "tests/models/",
     "tests/platform/test_serve_component_configs.py",
