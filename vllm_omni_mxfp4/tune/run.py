@@ -285,9 +285,9 @@ def tune(
     progress: Callable[[str], None] = logger.info,
 ) -> TuneResult:
     """Score, choose and check on ``tuning``; measure the choice against the priors on ``evaluation``."""
+    _check_arguments(method, tuning, evaluation, budget)  # before vLLM-Omni's imports (seconds)
     from vllm_omni import Omni
 
-    _check_arguments(method, tuning, evaluation, budget)
     config = Config(
         "tune", {"quantization_config": base_config(method), "worker_extension_cls": TUNE_EXTENSION}
     )
