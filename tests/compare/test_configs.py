@@ -45,7 +45,8 @@ def test_bad_values_are_named(text, message):
 
 def test_a_config_the_engine_refuses_fails_before_any_engine(tmp_path):
     pytest.importorskip("vllm_omni")
-    bad = Config("bad", {"quantization_config": {"method": "mxfp4", "svd_rank": -1}})  # as if parsing let it by
+    # as if parsing had let it by: the engine's own check refuses it before any engine starts
+    bad = Config("bad", {"quantization_config": {"method": "mxfp4", "svd_rank": -1}})
     with pytest.raises(
         ValueError, match=r"--config bad: the engine refuses it: .*svd_rank must be a non-negative integer"
     ):
