@@ -297,7 +297,7 @@ def tune(
     variables = {envs.TRAJECTORY_DIR.name: str(steps_dir), envs.KEEP_BF16.name: "1"}
     with environment(variables):  # the whole run: an in-process worker reads them at every step
         progress(
-            f"tune: starting the engine, Omni(model={model!r}, quantization_config={{'method': {method!r}}})"
+            f"tune: starting the engine, Omni(model={model!r}, quantization_config={base_config(method)})"
         )
         omni = Omni(model=model, **engine_kwargs(model, config))
         try:
