@@ -29,6 +29,7 @@ LONGEST = (
     "tests/demo/test_models_e2e.py",
     "tests/tune/test_tune_e2e.py",
     "tests/demo/test_tune_families.py",
+    "tests/omni/test_parallel_w4a8_steps.py",
     "tests/checkpoint/",
     "tests/models/",
     "tests/platform/test_serve_component_configs.py",
