@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MERGE_DESCRIPTION = """\
 Merge msModelSlim W4A4 MXFP4 output (W4A4_MXFP4 or W4A4_MXFP4_DUALSCALE, either saver, sharded or not)
@@ -461,6 +462,41 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
+def add_generation_arguments(parser: Any) -> None:
+    """The generation settings ``compare`` and ``tune`` run every request with (one definition)."""
+    parser.add_argument("--steps", type=int, default=20, help="Denoising steps (default 20).")
+    parser.add_argument("--height", type=int, default=None, help="Output height (default: the pipeline's).")
+    parser.add_argument("--width", type=int, default=None, help="Output width (default: the pipeline's).")
+    parser.add_argument(
+        "--num-frames", type=int, default=None, help="Video frames (default: the pipeline's)."
+    )
+    parser.add_argument(
+        "--guidance-scale", type=float, default=None, help="Guidance scale (default: the pipeline's)."
+    )
+    parser.add_argument(
+        "--guidance-scale-2", type=float, default=None,
+        help="Wan2.2's low-noise expert guidance (default: the pipeline's).",
+    )  # fmt: skip
+    parser.add_argument("--negative-prompt", default="", help="Negative prompt (default none).")
+    parser.add_argument("--image", default=None, help="Input image file of an image-to-video pipeline.")
+
+
+def generation_settings(args: argparse.Namespace) -> Any:
+    """The :class:`~vllm_omni_mxfp4.compare.run.Settings` of :func:`add_generation_arguments`' flags."""
+    from .compare.run import Settings
+
+    return Settings(
+        steps=args.steps,
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        guidance_scale=args.guidance_scale,
+        guidance_scale_2=args.guidance_scale_2,
+        negative_prompt=args.negative_prompt,
+        image=_image(args.image),
+    )
+
+
 def _image(path: str | None) -> str | None:
     """An ``--image`` file, checked before any engine starts."""
     if path is not None and not Path(path).is_file():
@@ -472,7 +508,7 @@ def _image(path: str | None) -> str | None:
 def run_compare(args: argparse.Namespace) -> int:
     """Run ``compare``; prints progress and the summary table."""
     from .compare.report import summary_table, write
-    from .compare.run import Request, Settings, compare, parse_config
+    from .compare.run import Request, compare, parse_config
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
@@ -482,16 +518,7 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"vllm-omni-mxfp4 compare: error: {exc}", file=sys.stderr)
         return 2
     requests = [Request(p, s) for p in args.prompt for s in args.seed]
-    settings = Settings(
-        steps=args.steps,
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        guidance_scale=args.guidance_scale,
-        guidance_scale_2=args.guidance_scale_2,
-        negative_prompt=args.negative_prompt,
-        image=_image(args.image),
-    )
+    settings = generation_settings(args)
     out = Path(args.out)
     _say(f"compare: {len(configs) + 1} configs x {len(requests)} request(s), {args.steps} steps -> {out}")
     try:
@@ -521,23 +548,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", action="append", type=int, default=None, help="A seed (repeatable; default 0)."
     )
-    parser.add_argument("--steps", type=int, default=20, help="Denoising steps (default 20).")
-    parser.add_argument("--height", type=int, default=None, help="Output height (default: the pipeline's).")
-    parser.add_argument("--width", type=int, default=None, help="Output width (default: the pipeline's).")
-    parser.add_argument(
-        "--num-frames", type=int, default=None, help="Video frames (default: the pipeline's)."
-    )
-    parser.add_argument(
-        "--guidance-scale", type=float, default=None, help="Guidance scale (default: the pipeline's)."
-    )
-    parser.add_argument(
-        "--guidance-scale-2",
-        type=float,
-        default=None,
-        help="Wan2.2's low-noise expert guidance (default: the pipeline's).",
-    )
-    parser.add_argument("--negative-prompt", default="", help="Negative prompt (default none).")
-    parser.add_argument("--image", default=None, help="Input image file of an image-to-video pipeline.")
+    add_generation_arguments(parser)
     parser.add_argument("--out", default="compare-out", help="Output directory (default compare-out).")
 
 
@@ -575,7 +586,7 @@ Exit status: 0 done, 2 bad arguments or a model/config the engine refused."""
 
 def run_tune(args: argparse.Namespace) -> int:
     """Run ``tune``; prints progress and the summary."""
-    from .compare.run import Request, Settings
+    from .compare.run import Request
     from .tune.report import summary_table, write
     from .tune.run import tune
     from .tune.select import Budget
@@ -597,16 +608,7 @@ def run_tune(args: argparse.Namespace) -> int:
         budget = Budget(1, None, args.max_w4a8_layers, args.max_w4a8_steps)
     tuning = [Request(p, s) for p in prompts for s in args.seed or [0]]
     evaluation = [Request(p, s) for p in (eval_prompts or prompts) for s in args.eval_seed or []]
-    settings = Settings(
-        steps=args.steps,
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        guidance_scale=args.guidance_scale,
-        guidance_scale_2=args.guidance_scale_2,
-        negative_prompt=args.negative_prompt,
-        image=_image(args.image),
-    )
+    settings = generation_settings(args)
     out = Path(args.out)
     _say(
         f"tune: {args.method}, {len(tuning)} tuning and {len(evaluation)} evaluation request(s), "
@@ -667,18 +669,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="A held-out evaluation seed (repeatable; none: no evaluation).",
     )
-    run.add_argument("--steps", type=int, default=20, help="Denoising steps (default 20).")
-    run.add_argument("--height", type=int, default=None, help="Output height (default: the pipeline's).")
-    run.add_argument("--width", type=int, default=None, help="Output width (default: the pipeline's).")
-    run.add_argument("--num-frames", type=int, default=None, help="Video frames (default: the pipeline's).")
-    run.add_argument(
-        "--guidance-scale", type=float, default=None, help="Guidance scale (default: the pipeline's)."
-    )
-    run.add_argument(
-        "--guidance-scale-2", type=float, default=None, help="Wan2.2's low-noise expert guidance."
-    )
-    run.add_argument("--negative-prompt", default="", help="Negative prompt (default none).")
-    run.add_argument("--image", default=None, help="Input image file of an image-to-video pipeline.")
+    add_generation_arguments(run)
     budget = parser.add_argument_group("budget options (default: --max-bf16-layers 1)")
     budget.add_argument(
         "--max-bf16-layers", type=int, default=None, metavar="N", help="At most N Linears in BF16."

@@ -17,6 +17,7 @@ VALID = ["tune", "no-such-model", "--prompt", "a cat", "--seed", "1", "--steps",
         (["--method", "mxfp4_dualscale", "--max-w4a8-steps", "1"], "mxfp4_dualscale has no W4A8 fallback"),
         (["--max-bf16-fraction", "1.5"], "--max-bf16-fraction must be within [0, 1], got 1.5"),
         (["--max-bf16-layers", "-1"], "--max-bf16-layers must be >= 0, got -1"),
+        (["--candidates", "-3"], "--candidates must be >= 1, got -3"),
         (
             ["--prompt-file", "/nonexistent/prompts.txt"],
             "--prompt / --prompt-file: cannot read /nonexistent/prompts.txt",

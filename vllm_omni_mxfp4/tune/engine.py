@@ -29,6 +29,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
 from ..config import Precision
 from ..inspection.engine import TransformerReportExtension, world_group
@@ -152,8 +153,6 @@ class TunedLinearMethod:
     def bf16(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The layer's BF16 output: vLLM's unquantized method on the kept weight."""
         if self._shadow is None:
-            from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
             weight = layer._mx.bf16_weight
             if weight is None:
                 raise RuntimeError(
@@ -191,8 +190,6 @@ class TuneExtension(TransformerReportExtension):
         """Wrap every MXFP4 Linear of each transformer (idempotent); the units tune may choose among:
         per quantized Linear its component, runtime name, method, full (N, K), whether it can run
         W4A8; and the Linears the config already keeps in BF16 (a family default)."""
-        from vllm.model_executor.layers.linear import LinearBase
-
         tuned = self._tuned()
         units, kept = [], []
         for component, module in _transformers(self.model_runner.pipeline):

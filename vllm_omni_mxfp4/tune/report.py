@@ -159,12 +159,13 @@ def summary_table(result: TuneResult) -> str:
     lines.append(f"held-out evaluation ({len(result.evaluation)} request(s)), against BF16:")
     lines.append(f"{'config':<22} {'BF16 MiB':>9} {'PSNR dB':>8} {'SSIM':>7} {'cosine':>8} {'accuracy':>9}")
     for row in summary_rows(result):
-        final, acc = row["final"], row["prompt_accuracy"]
-        psnr = final["psnr"]
+        final, acc = (
+            {k: math.nan if v is None else v for k, v in row["final"].items()},
+            row["prompt_accuracy"],
+        )
         lines.append(
-            f"{row['label']:<22} {row['bf16_extra_bytes'] / MIB:>9.3f} "
-            f"{psnr if psnr is not None else math.nan:>8.2f} {final['ssim'] or math.nan:>7.4f} "
-            f"{final['cosine'] or math.nan:>8.5f} {'-' if acc is None else f'{acc:.0%}':>9}"
+            f"{row['label']:<22} {row['bf16_extra_bytes'] / MIB:>9.3f} {final['psnr']:>8.2f} "
+            f"{final['ssim']:>7.4f} {final['cosine']:>8.5f} {'-' if acc is None else f'{acc:.0%}':>9}"
         )
     return "\n".join(lines)
 

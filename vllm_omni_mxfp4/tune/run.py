@@ -124,39 +124,6 @@ class TuneResult:
         return sorted({u.component for u in self.units})
 
 
-def _rpc(omni: Any, method: str, *args: Any, timeout: float = 600.0) -> Any:
-    """Rank 0's answer to a control RPC of the tuning extension."""
-    stack = [omni.engine.collective_rpc(method, timeout=timeout, args=args)]
-    while stack:
-        item = stack.pop(0)
-        if isinstance(item, (list, tuple)):
-            stack[:0] = list(item)
-        elif isinstance(item, dict) and item.get("supported") is False:
-            raise RuntimeError(f"the tuning engine could not run {method}: {item.get('error')}")
-        elif item is not None:
-            return item
-    raise RuntimeError(f"no diffusion worker answered {method}")
-
-
-def _run_pass(
-    omni: Any,
-    plan: dict[str, Any],
-    label: str,
-    requests: Sequence[Request],
-    settings: Settings,
-    steps_dir: Path,
-) -> Pass:
-    _rpc(omni, PLAN_RPC, plan)
-    out = Pass(label)
-    for request in tqdm(requests, desc=label, unit="generation", leave=False):
-        start = time.perf_counter()
-        output = generate(omni, request, settings)
-        out.seconds.append(time.perf_counter() - start)
-        out.frames.append(frames_of(output.images))
-        out.trajectories.append(take_steps(steps_dir))
-    return out
-
-
 def _outcome(run: Pass, reference: Pass) -> sc.Outcome:
     return sc.outcome(run.frames, run.trajectories, reference.frames, reference.trajectories)
 
@@ -254,7 +221,11 @@ def _score_halves(
 
 
 def _check_arguments(
-    method: str, tuning: Sequence[Request], evaluation: Sequence[Request], budget: Budget
+    method: str,
+    tuning: Sequence[Request],
+    evaluation: Sequence[Request],
+    budget: Budget,
+    candidates: int | None,
 ) -> None:
     if method not in METHODS:
         raise ValueError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
@@ -266,6 +237,8 @@ def _check_arguments(
             f"evaluation requests {sorted(overlap)[:3]} are also tuning requests; give --eval-seed seeds "
             "that --seed does not list"
         )
+    if candidates is not None and candidates < 1:
+        raise ValueError(f"--candidates must be >= 1, got {candidates}")
     if (budget.w4a8_layers or budget.w4a8_steps) and method != "mxfp4":
         raise ValueError(
             f"--max-w4a8-layers / --max-w4a8-steps: {method} has no W4A8 fallback (only single-scale "
@@ -285,7 +258,7 @@ def tune(
     progress: Callable[[str], None] = logger.info,
 ) -> TuneResult:
     """Score, choose and check on ``tuning``; measure the choice against the priors on ``evaluation``."""
-    _check_arguments(method, tuning, evaluation, budget)  # before vLLM-Omni's imports (seconds)
+    _check_arguments(method, tuning, evaluation, budget, candidates)  # before vLLM-Omni's imports (seconds)
     from vllm_omni import Omni
 
     config = Config(
@@ -318,18 +291,37 @@ def tune(
 
 @dataclass
 class Passes:
-    """Runs plans on the tuning engine."""
+    """Runs plans and control RPCs on the tuning engine."""
 
     omni: Any
     model: str
     settings: Settings
     steps_dir: Path
 
-    def run(self, plan: dict[str, Any], label: str, requests: Sequence[Request]) -> Pass:
-        return _run_pass(self.omni, plan, label, requests, self.settings, self.steps_dir)
+    def rpc(self, method: str, *args: Any, timeout: float = 600.0) -> Any:
+        """Rank 0's answer to a control RPC of the tuning extension."""
+        stack = [self.omni.engine.collective_rpc(method, timeout=timeout, args=args)]
+        while stack:
+            item = stack.pop(0)
+            if isinstance(item, (list, tuple)):
+                stack[:0] = list(item)
+            elif isinstance(item, dict) and item.get("supported") is False:
+                raise RuntimeError(f"the tuning engine could not run {method}: {item.get('error')}")
+            elif item is not None:
+                return item
+        raise RuntimeError(f"no diffusion worker answered {method}")
 
-    def rpc(self, method: str, *args: Any) -> Any:
-        return _rpc(self.omni, method, *args)
+    def run(self, plan: dict[str, Any], label: str, requests: Sequence[Request]) -> Pass:
+        """Set ``plan``, then one generation per request: frames, each step's latents, seconds."""
+        self.rpc(PLAN_RPC, plan)
+        out = Pass(label)
+        for request in tqdm(requests, desc=label, unit="generation", leave=False):
+            start = time.perf_counter()
+            output = generate(self.omni, request, self.settings)
+            out.seconds.append(time.perf_counter() - start)
+            out.frames.append(frames_of(output.images))
+            out.trajectories.append(take_steps(self.steps_dir))
+        return out
 
 
 def _setup(passes: Passes) -> tuple[list[Unit], dict[str, tuple[str, ...]]]:
