@@ -1,4 +1,4 @@
-"""The two op overrides (platform/op_fixups.py): still needed by the installed vLLM / vLLM-Omni, correct
+"""The three op overrides (platform/op_fixups.py): still needed by the installed vLLM / vLLM-Omni, correct
 against float64 references, leaving what upstream already handles to upstream."""
 
 from __future__ import annotations
@@ -166,26 +166,86 @@ def test_wan_rope_leaves_a_table_with_a_heads_axis_to_upstream() -> None:
     torch.testing.assert_close(got.double(), _rope_reference(x, angles), rtol=0, atol=3e-2)
 
 
-def test_install_overrides_both_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def _qkv(heads: int = 4, kv_heads: int = 4, tokens: int = 24, head_dim: int = 16, dtype=torch.float32):
+    """Query (B, H, S, D) and a key/value chunk as ring attention hands them to its SDPA op."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, heads, tokens, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(2, kv_heads, tokens + 8, head_dim, generator=g).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def test_upstream_ring_kernel_is_still_cuda_only() -> None:
+    """Fails once PyTorch runs the efficient SDPA op on the CPU: then drop ring_chunk_attention."""
+    from vllm_omni_mxfp4.platform.op_fixups import upstream_ring_chunk_attention
+
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match="_scaled_dot_product_efficient_attention"):
+        upstream_ring_chunk_attention()(q, k, v, None, True, 0.0, False, scale=None)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_chunk_attention_returns_the_output_and_natural_log_lse(causal: bool) -> None:
+    from vllm_omni_mxfp4.platform.op_fixups import ring_chunk_attention
+
+    q, k, v = _qkv()
+    k, v = k[:, :, : q.shape[2]], v[:, :, : q.shape[2]]
+    scale = 0.3
+    out, lse = ring_chunk_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    logits = scale * q.double() @ k.double().transpose(-1, -2)
+    if causal:
+        logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool).triu(1), float("-inf"))
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits, -1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.double(), torch.softmax(logits, -1) @ v.double(), rtol=0, atol=1e-5)
+
+
+def test_ring_merges_two_chunks_into_full_attention() -> None:
+    """Upstream's ring step (pytorch_attn_forward per chunk, then its lse merge) over two key/value
+    chunks equals attention over all keys: what two ring ranks compute for their queries."""
+    from vllm_omni.diffusion.attention.backends.ring import ring_kernels, ring_utils
+
+    from vllm_omni_mxfp4.platform.op_fixups import install_op_fixups
+
+    install_op_fixups()
+    q, k, v = (t.transpose(1, 2) for t in _qkv(tokens=16))  # (B, S, H, D), as ring passes them
+    k, v = k[:, :32], v[:, :32]
+    out, lse = None, None
+    for chunk in (slice(0, 16), slice(16, 32)):
+        block_out, block_lse = ring_kernels.pytorch_attn_forward(q, k[:, chunk], v[:, chunk], causal=False)
+        out, lse = ring_utils.update_out_and_lse(out, lse, block_out, block_lse, lse_layout="bhs")
+    full = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2).double() for t in (q, k, v)))
+    torch.testing.assert_close(out.double(), full.transpose(1, 2), rtol=0, atol=1e-5)
+
+
+def test_install_overrides_all_three_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm_omni  # noqa: F401
     from vllm.model_executor.layers import utils
+    from vllm_omni.diffusion.attention.backends.ring import ring_kernels
     from vllm_omni.diffusion.layers.rope import RotaryEmbeddingWan
 
     from vllm_omni_mxfp4.platform.op_fixups import (
         install_op_fixups,
         upstream_cpu_unquantized_gemm,
+        upstream_ring_chunk_attention,
         upstream_wan_rope_native,
     )
 
-    gemm, rope = upstream_cpu_unquantized_gemm(), upstream_wan_rope_native()
+    gemm, rope, ring = (
+        upstream_cpu_unquantized_gemm(),
+        upstream_wan_rope_native(),
+        upstream_ring_chunk_attention(),
+    )
     monkeypatch.setattr(utils, "cpu_unquantized_gemm", gemm)
     monkeypatch.setattr(RotaryEmbeddingWan, "forward_native", rope)
-    assert len(install_op_fixups()) == 2
+    monkeypatch.setattr(ring_kernels, "_scaled_dot_product_efficient_attention", ring)
+    assert len(install_op_fixups()) == 3
     assert (
         utils.cpu_unquantized_gemm is not gemm and RotaryEmbeddingWan.__dict__["forward_native"] is not rope
     )
+    assert ring_kernels._scaled_dot_product_efficient_attention is not ring
     assert install_op_fixups() == []  # idempotent
     assert upstream_cpu_unquantized_gemm() is gemm and upstream_wan_rope_native() is rope
+    assert upstream_ring_chunk_attention() is ring
 
     # what a layer built afterwards binds: vLLM's dispatch and vLLM-Omni's CustomOp dispatch
     assert utils.dispatch_unquantized_gemm() is utils.cpu_unquantized_gemm

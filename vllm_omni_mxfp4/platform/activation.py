@@ -116,12 +116,15 @@ def install_fixups() -> None:
 
     vLLM-Omni calls general plugins in every process it starts (API server, engine, stage and
     worker processes) before it builds workers; see :mod:`vllm_omni_mxfp4.platform.fixups` (the
-    worker output loop), :mod:`vllm_omni_mxfp4.platform.op_fixups` (two ops vLLM's CPU path lacks),
-    :mod:`vllm_omni_mxfp4.platform.job_errors` (a failed job's reason, in the API server only) and
-    :mod:`vllm_omni_mxfp4.platform.warmup` (a small start-up warm-up request).
+    worker output loop), :mod:`vllm_omni_mxfp4.platform.op_fixups` (three ops vLLM's CPU path lacks),
+    :mod:`vllm_omni_mxfp4.platform.job_errors` (a failed job's reason, in the API server only),
+    :mod:`vllm_omni_mxfp4.platform.warmup` (a small start-up warm-up request) and
+    :mod:`vllm_omni_mxfp4.platform.device_hint` (how to run more ranks than cores, in the device-count
+    error).
     """
     if not decide().active:
         return
+    from .device_hint import install_device_hint
     from .fixups import install_worker_output_fixup
     from .job_errors import install_video_error_fixup
     from .op_fixups import install_op_fixups
@@ -131,3 +134,4 @@ def install_fixups() -> None:
     install_op_fixups()
     install_video_error_fixup()
     install_cpu_warmup_fixup()
+    install_device_hint()

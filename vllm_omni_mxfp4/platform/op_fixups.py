@@ -1,4 +1,4 @@
-"""Two ops that CUDA and Ascend provide and vLLM's CPU path lacks, as vLLM-Omni 0.30's models call them.
+"""Three ops that CUDA and Ascend provide and vLLM's CPU path lacks, as vLLM-Omni 0.30's models call them.
 
 Installed only in processes where the CPU platform is active
 (:func:`vllm_omni_mxfp4.platform.install_fixups`, before any model is built); both leave every
@@ -30,6 +30,16 @@ call that already works to upstream's own code.
    layout (Wan2.2's tables already carry it) to upstream's method. Upstream's native method is also
    what CUDA without ``vllm.vllm_flash_attn``, XPU and Ascend without MindIE-SD run, so LingBot-World
    fails there the same way; this override covers the CPU platform only.
+3. **Ring attention's per-chunk kernel.** Upstream: the module attribute
+   ``vllm_omni.diffusion.attention.backends.ring.ring_kernels._scaled_dot_product_efficient_attention``
+   (``torch.ops.aten._scaled_dot_product_efficient_attention``), which ``pytorch_attn_forward`` calls
+   for every key/value chunk a ring step brings, whatever the attention backend (ring's runner
+   picks the ``"efficient"`` SDPA op itself). PyTorch implements that op for CUDA only, so
+   ``ring_degree > 1`` stopped at the first attention on the CPU. The ring merges chunks with the
+   output and the natural-log ``logsumexp`` of shape (batch, heads, tokens); PyTorch's CPU flash
+   kernel, ``aten::_scaled_dot_product_flash_attention_for_cpu``, returns exactly that pair.
+   :func:`ring_chunk_attention` calls it for CPU tensors without an attention bias (the only call
+   ring makes) and leaves every other call to upstream's op.
 """
 
 from __future__ import annotations
@@ -74,6 +84,36 @@ def wan_rope_native(self: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return upstream(self, x, cos, sin)
 
 
+def ring_chunk_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_bias: torch.Tensor | None = None,
+    compute_log_sumexp: bool = True,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``aten::_scaled_dot_product_efficient_attention`` as ring attention calls it, on the CPU:
+    (output (B, H, S, D), natural-log logsumexp (B, H, S) in FP32) from PyTorch's CPU flash kernel."""
+    if query.device.type != "cpu" or attn_bias is not None:
+        return upstream_ring_chunk_attention()(
+            query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale=scale
+        )
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, scale=scale
+    )[:2]
+    return out, lse
+
+
+def upstream_ring_chunk_attention() -> Callable[..., Any]:
+    """The op the installed vLLM-Omni's ring kernels call, whether or not overridden."""
+    from vllm_omni.diffusion.attention.backends.ring import ring_kernels
+
+    return original_of(ring_kernels._scaled_dot_product_efficient_attention)
+
+
 def upstream_cpu_unquantized_gemm() -> Callable[..., torch.Tensor]:
     """The installed vLLM's own ``cpu_unquantized_gemm``, whether or not overridden."""
     from vllm.model_executor.layers import utils
@@ -89,12 +129,13 @@ def upstream_wan_rope_native() -> Callable[..., torch.Tensor]:
 
 
 def install_op_fixups() -> list[str]:
-    """Override the two upstream functions (module docstring); idempotent.
+    """Override the three upstream functions (module docstring); idempotent.
 
-    Returns the names of those this call installed (empty when both were already in place).
+    Returns the names of those this call installed (empty when all were already in place).
     Layers built before the call keep the function they bound at construction.
     """
     from vllm.model_executor.layers import utils
+    from vllm_omni.diffusion.attention.backends.ring import ring_kernels
     from vllm_omni.diffusion.layers.rope import RotaryEmbeddingWan
 
     installed = []
@@ -104,6 +145,10 @@ def install_op_fixups() -> list[str]:
     # bound by CustomOp.dispatch_forward at construction
     if wrap_once(RotaryEmbeddingWan, "forward_native", lambda upstream: _calling(wan_rope_native), HOOK):
         installed.append("vllm_omni.diffusion.layers.rope.RotaryEmbeddingWan.forward_native")
+    # looked up by pytorch_attn_forward at each call
+    name = "_scaled_dot_product_efficient_attention"
+    if wrap_once(ring_kernels, name, lambda upstream: _calling(ring_chunk_attention), HOOK):
+        installed.append(f"vllm_omni.diffusion.attention.backends.ring.ring_kernels.{name}")
     for name in installed:
         logger.debug("CPU platform: %s overridden (vllm_omni_mxfp4.platform.op_fixups)", name)
     return installed
