@@ -318,14 +318,16 @@ def checkpoint_variant(src, dst, *, config=None, tensors=None, sub="transformer"
     return dst
 
 
-def write_mxfp8_blocks(src, dst, blocks=(0,)):
+def write_mxfp8_blocks(src, dst, blocks=(0,), smooth_layers=()):
     """The tiny model's transformer ``src`` as an offline ``mxfp4`` checkpoint at ``dst`` whose
     ``blocks`` store every Linear as MXFP8 W8A8 (``float8_e4m3fn`` weights, E8M0 scales per 32,
     quantized from the original BF16 weights with the OCP rule) and list them in ``mxfp8_layers``:
-    the layout msModelSlim's Wan2.2 recipes give blocks 0-4. Returns the runtime names listed."""
+    the layout msModelSlim's Wan2.2 recipes give blocks 0-4. ``smooth_layers``: diffusers-name
+    suffixes of MXFP4 layers (outside ``blocks``) stored with Smooth factors. Returns the runtime
+    names listed."""
     from vllm_omni_mxfp4.models.wan import runtime_layer_name
 
-    write_offline_checkpoint(src, dst, "mxfp4")
+    write_offline_checkpoint(src, dst, "mxfp4", smooth_layers=smooth_layers)
     original = load_file(str(src / "diffusion_pytorch_model.safetensors"))
     path = dst / "diffusion_pytorch_model.safetensors"
     tensors = load_file(str(path))
@@ -356,15 +358,15 @@ def mxfp8_dir(tiny_dir, tmp_path_factory):
     return model
 
 
-def initialize_pipeline(env, model_dir, spec):
+def initialize_pipeline(env, model_dir, spec, **od_kwargs):
     """vLLM-Omni's pipeline class for ``model_dir`` built by its own ``initialize_model`` (with this
-    package's hooks, as the engine's diffusion worker builds it) with quantization ``spec``; no
-    weights are loaded."""
+    package's hooks, as the engine's diffusion worker builds it) with quantization ``spec`` and the
+    other diffusion-config fields ``od_kwargs``; no weights are loaded."""
     from vllm_omni.diffusion import registry
     from vllm_omni.diffusion.data import OmniDiffusionConfig
 
     od_config = OmniDiffusionConfig.from_kwargs(
-        model=str(model_dir), dtype=torch.bfloat16, quantization_config=spec
+        model=str(model_dir), dtype=torch.bfloat16, quantization_config=spec, **od_kwargs
     )
     od_config.enrich_config()
     with env.context():

@@ -3,7 +3,8 @@
 Each hooked vLLM-Omni attribute is wrapped once (:mod:`.patching`), by one of these modules:
 
 - :mod:`.build`: ``initialize_model`` and the Wan2.2 pipelines' ``_create_transformer`` (NVFP4
-  plans, layer-name checks for every family, expert checks);
+  plans, layer-name checks for every family, expert checks, the deployment features
+  :mod:`.deployment` refuses);
 - :mod:`.names`: vLLM-Omni's per-component config handling (Wan expert keys, the factory's
   per-component test);
 - :mod:`.defaults`: the constructors of the classes with a family BF16 default;

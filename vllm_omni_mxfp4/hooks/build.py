@@ -10,7 +10,9 @@
      the model and the config (:mod:`.checkpoint_dir`) and its layer names against the Linears it
      holds (:func:`~.names.check_pipeline`): a typo in ``ignored_layers`` stops the engine here,
      for every family, before any weight is read;
-  4. the plan is attached to the transformer for the load (:func:`~.nvfp4_loading.attach`).
+  4. deployment features that cannot run with our methods (HSDP, a LoRA merged into the weights,
+     a cache backend the family cannot run) are refused (:func:`~.deployment.check_deployment`);
+  5. the plan is attached to the transformer for the load (:func:`~.nvfp4_loading.attach`).
 
 - ``_create_transformer`` of the Wan2.2 T2V, I2V and VACE pipelines (one call per expert):
 
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..patching import MARKER, wrap_once
+from .deployment import check_deployment
 from .names import check_pipeline, check_pipeline_experts
 from .nvfp4_loading import attach, plan_nvfp4_expert, serving
 
@@ -55,6 +58,7 @@ def _initializing(original: Callable) -> Callable:
             with serving(od_config, plan):
                 model = original(od_config, *args, **kwargs)
         check_pipeline(model, getattr(od_config, "model", None))
+        check_deployment(model, od_config)
         if plan is not None:
             attach(getattr(model, "transformer", None), plan)
         return model
