@@ -99,6 +99,19 @@ def test_every_nvfp4_linear_holds_the_reference_mxfp4_bytes(online, values):
         assert torch.equal(layer.weight_scale.data, torch.cat([s for _, s in want])), name
 
 
+def test_a_per_component_config_serves_the_nvfp4_expert_alike(vllm_env, online, tmp_path):
+    """The expert's entry of a per-component config builds the same layers as a flat config: the plan
+    replaces that entry only (vLLM-Omni's per-component config has read-only entries, so a new one is
+    built for the build)."""
+    spec = {"transformer": EMULATED}
+    model = build_via_pipeline(vllm_env, model_dir_with(tmp_path, "nvfp4"), spec)
+    flat = linears(online)
+    for name, layer in linears(model).items():
+        assert torch.equal(layer.weight.data, flat[name].weight.data), name
+        assert torch.equal(layer.weight_scale.data, flat[name].weight_scale.data), name
+    assert len(flat) == len(linears(model)) == 8
+
+
 def test_plain_linears_get_the_exact_dequant_in_bf16(online, values):
     embedders = [layer for layer in values if layer.startswith("condition_embedder.")]
     assert len(embedders) == 5

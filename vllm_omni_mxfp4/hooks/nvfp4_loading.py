@@ -32,7 +32,6 @@ parts' rows first would give the same bytes.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -261,9 +260,10 @@ def serving(od_config: Any, plan: Nvfp4Plan) -> Iterator[None]:
 
     saved = od_config.quantization_config
     planned = with_override(plan.quant_config, plan)
-    if isinstance(saved, ComponentQuantizationConfig):
-        replaced = copy.copy(saved)
-        replaced.component_configs = {**saved.component_configs, plan.component: planned}
+    if isinstance(saved, ComponentQuantizationConfig):  # its entries are read-only: a new one
+        replaced = ComponentQuantizationConfig(
+            {**saved.component_configs, plan.component: planned}, saved.default_config
+        )
     else:
         replaced = planned
     od_config.quantization_config = replaced
