@@ -2,7 +2,10 @@
 model runner compiles them: ``regionally_compile`` of each expert's repeated blocks.
 
 Upstream's users met an expert left uncompiled (vllm-omni #1535). Here both experts of the tiny
-two-expert pipeline are compiled with every method that runs online; the quantized Linear is one
+two-expert pipeline are compiled with every method: quantized at load (W4A8 by step and by layer,
+DualScale, the low-rank branch) and stored (an offline ``mxfp4`` checkpoint with Smooth factors and
+MXFP8 blocks, an offline DualScale expert, an NVFP4 checkpoint served with ``mxfp4``); the quantized
+Linear is one
 opaque custom op (``vllm_omni_mxfp4::linear``), so the graphs hold it and break nowhere, and the
 precision of a denoising step (W4A8 by step) is decided inside the op, so a new step compiles
 nothing. Compiled output equals eager up to inductor's own fusion of the BF16 elementwise work
@@ -28,15 +31,45 @@ pytestmark = [
 ]
 
 SPECS = {
-    "mxfp4 w4a8 steps": {"method": "mxfp4", "w4a8_fallback_steps": [1], "backend": "emulated"},
+    "mxfp4 w4a8 steps and layer": {
+        "method": "mxfp4", "w4a8_fallback_steps": [1], "w4a8_fallback_layers": ["blocks.0.ffn.net_2"],
+        "backend": "emulated",
+    },
     "mxfp4_dualscale": {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0, "backend": "emulated"},
     "mxfp4 svd_rank": {"method": "mxfp4", "svd_rank": 8, "backend": "emulated"},
-}
+}  # fmt: skip
+STORED = (
+    "checkpoint",
+    "nvfp4",
+)  # the bundles of tests/support/bundles.py whose transformer is stored quantized
+A8_STEPS = [1]
+
+
+def _experts(env, tiny, root, name):
+    """Both experts of case ``name``: a spec of :data:`SPECS` quantizing the BF16 model at load, or a
+    bundle whose ``transformer`` is stored quantized (offline ``mxfp4`` with Smooth and MXFP8 blocks
+    next to an offline DualScale expert; an NVFP4 checkpoint served with ``mxfp4`` and W4A8 by step
+    next to DualScale at load)."""
+    from tests.support.bundles import bundle
+    from tests.support.nvfp4.checkpoints import build_via_pipeline
+
+    if name in SPECS:
+        return {sub: build_expert(env, tiny, SPECS[name], sub) for sub in ("transformer", "transformer_2")}
+    model, kwargs = bundle(name, tiny, root, A8_STEPS)
+    config = kwargs.get("quantization_config", {})
+    if name == "checkpoint":  # each expert's config.json says how it is stored
+        return {sub: build_expert(env, model, None, sub) for sub in ("transformer", "transformer_2")}
+    return {
+        "transformer": build_via_pipeline(env, model, config["transformer"], "transformer"),
+        "transformer_2": build_expert(env, model, config["transformer_2"], "transformer_2"),
+    }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SPECS))
-def test_both_experts_compile_with_quantized_linears_without_breaks_or_recompiles(vllm_env, tiny_dir, name):
+@pytest.mark.parametrize("name", [*SPECS, *STORED])
+def test_both_experts_compile_with_quantized_linears_without_breaks_or_recompiles(
+    vllm_env, tiny_dir, tmp_path, name
+):
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
     from vllm_omni.diffusion.compile import regionally_compile
@@ -47,9 +80,7 @@ def test_both_experts_compile_with_quantized_linears_without_breaks_or_recompile
         graphs.append(gm)
         return compile_fx(gm, example_inputs)
 
-    experts = {
-        sub: build_expert(vllm_env, tiny_dir, SPECS[name], sub) for sub in ("transformer", "transformer_2")
-    }
+    experts = _experts(vllm_env, tiny_dir, tmp_path, name)
     eager = {}
     for sub, model in experts.items():
         assert quantized_layers(model), sub

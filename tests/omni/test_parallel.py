@@ -38,17 +38,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.platform.omni_procs import RunFailed, omni_installed, subprocess_env
+from tests.platform.omni_procs import ENGINE_MARKS, RunFailed, subprocess_env
 from tests.support.bundles import A8_LAYERS, BUNDLES, METHODS, bundle, expected_precision
 from vllm_omni_mxfp4.compare.metrics import psnr
 from vllm_omni_mxfp4_tiny.engine_job import Job
 from vllm_omni_mxfp4_tiny.runner import run_engine_job
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.omni,
-    pytest.mark.skipif(not omni_installed(), reason="vllm / vllm-omni not installed"),
-]
+pytestmark = ENGINE_MARKS
 
 STEPS = 3
 A8_STEPS = [0]  # step 0 always runs the high-noise expert, transformer

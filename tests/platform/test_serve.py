@@ -8,28 +8,17 @@ The server runs in its own process group; every wait has a deadline, and the gro
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
-import pytest
-from omni_procs import log_tail, omni_installed, reap_group, serve_command, subprocess_env, wait_until_healthy
+from omni_procs import SERVER_MARKS, log_tail, reap_group, serve_command, subprocess_env, wait_until_healthy
 
 from tests.support.ports import free_port
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.omni,
-    pytest.mark.skipif(not omni_installed(), reason="vllm / vllm-omni not installed"),
-    # vLLM-Omni's API server imports torchaudio (entrypoints/openai/audio_utils_mixin.py) at start-up.
-    pytest.mark.skipif(
-        importlib.util.find_spec("torchaudio") is None,
-        reason="torchaudio is not installed; vLLM-Omni's API server cannot start without it",
-    ),
-]
+pytestmark = SERVER_MARKS
 
 STARTUP_DEADLINE_S = 300.0
 JOB_DEADLINE_S = 120.0

@@ -10,7 +10,6 @@ Every server runs in its own process group, bounded, and is reaped (the demo's r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from omni_procs import (
+    SERVER_MARKS,
     RunFailed,
     log_tail,
-    omni_installed,
     reap_group,
     run_bounded,
     serve_command,
@@ -31,15 +30,7 @@ from omni_procs import (
 
 from tests.support.ports import free_port
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.omni,
-    pytest.mark.skipif(not omni_installed(), reason="vllm / vllm-omni not installed"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("torchaudio") is None,
-        reason="torchaudio is not installed; vLLM-Omni's API server cannot start without it",
-    ),
-]
+pytestmark = SERVER_MARKS
 
 STARTUP_DEADLINE_S = 300.0
 JOB_DEADLINE_S = 180.0

@@ -26,10 +26,14 @@ SHARED_DIRS = ("tests/checkpoint/", "tests/models/")
 DOC_SESSIONS = ("tests/docs/test_doc_blocks.py", "test_doc_session_runs")
 #: Group-name prefixes, longest units first (from --durations runs on the 2-core machine).
 LONGEST = (
+    "tests/omni/test_parallel.py",
     "tests/demo/test_models_e2e.py",
     "tests/tune/test_tune_e2e.py",
     "tests/demo/test_tune_families.py",
-    "tests/omni/test_parallel_w4a8_steps.py",
+    "tests/omni/test_compile.py",
+    "tests/platform/test_serve_parallel.py",
+    "tests/omni/test_lora.py",
+    "tests/omni/test_cache.py",
     "tests/checkpoint/",
     "tests/models/",
     "tests/platform/test_serve_component_configs.py",

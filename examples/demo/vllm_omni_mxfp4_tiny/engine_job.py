@@ -4,7 +4,8 @@
 
 ``JOB.json`` holds the fields of :class:`Job` (only ``model`` and ``out`` are required). The job
 builds ``Omni(model=..., dtype="bfloat16", **omni_kwargs)``, sends one request per seed through
-that one engine, and writes into ``out``:
+that one engine (with ``lora``, request ``i`` carries the LoRA adapter ``lora[i]`` names, or none:
+:func:`lora_request`), and writes into ``out``:
 
 - ``frames_<i>.npy``: request ``i``'s ``images[0]`` exactly as ``Omni.generate`` returns it
   (float32 ``(1, F, H, W, 3)`` in ``[0, 1]`` for Wan2.2); pipelines that return PIL images (one
@@ -63,6 +64,11 @@ class Job:
     image: str | None = None  # input image file of image-to-video pipelines (multi_modal_data)
     evaluation: list[tuple[str, int]] = field(default_factory=list)  # (prompt, seed) requests
     naive_w4a4: bool = False  # also W4A4 on the plain Linears (the demo's bad configuration, .naive_w4a4)
+    lora: list[tuple[str, float] | None] = field(default_factory=list)
+    """Per request (one entry per seed; empty: no request names one): ``[adapter_dir, scale]``, the
+    peft LoRA adapter the request carries and its scale, or None for a request that carries none
+    (vLLM-Omni then switches any active adapter off, the one of ``omni_kwargs["lora_path"]`` too).
+    The ``evaluation`` requests carry none."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Job:
@@ -88,6 +94,23 @@ class Job:
                     f"engine job: evaluation[{index}] is {pair!r}; expected [prompt, seed] with a seed >= 0"
                 )
         evaluation_groups(job.evaluation)  # a repeated pair is an error
+        if job.lora and len(job.lora) != len(job.seeds):
+            raise ValueError(
+                f"engine job: lora has {len(job.lora)} entries for {len(job.seeds)} seeds; expected one per seed"
+            )
+        for index, entry in enumerate(job.lora):
+            if entry is not None and not (
+                isinstance(entry, (list, tuple))
+                and len(entry) == 2
+                and isinstance(entry[0], str)
+                and entry[0]
+                and isinstance(entry[1], (int, float))
+                and not isinstance(entry[1], bool)
+                and entry[1] >= 0
+            ):
+                raise ValueError(
+                    f"engine job: lora[{index}] is {entry!r}; expected null or [adapter_dir, scale] with a scale >= 0"
+                )
         return job
 
 
@@ -122,9 +145,24 @@ def evaluation_groups(evaluation: list[tuple[str, int]]) -> dict[int, list[str]]
     return groups
 
 
-def _params(job: Job, seed: int) -> Any:
+def lora_request(path: str) -> Any:
+    """vLLM's ``LoRARequest`` for the adapter directory ``path``.
+
+    Its id is vLLM-Omni's ``stable_lora_int_id(path)``, the id the engine gives the adapter of
+    ``Omni(lora_path=path)`` at start-up, so a request naming that same path string selects the
+    adapter already loaded instead of loading it again under another id."""
+    from vllm_omni.lora.request import LoRARequest
+    from vllm_omni.lora.utils import stable_lora_int_id
+
+    return LoRARequest(lora_name=Path(path).name, lora_int_id=stable_lora_int_id(path), lora_path=path)
+
+
+def _params(job: Job, seed: int, lora: tuple[str, float] | None = None) -> Any:
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
+    extra: dict[str, Any] = {}
+    if lora is not None:
+        extra = {"lora_request": lora_request(lora[0]), "lora_scale": float(lora[1])}
     return OmniDiffusionSamplingParams(
         height=job.height,
         width=job.width,
@@ -133,6 +171,7 @@ def _params(job: Job, seed: int) -> Any:
         guidance_scale=job.guidance_scale,
         guidance_scale_2=job.guidance_scale_2,
         seed=seed,
+        **extra,
     )
 
 
@@ -143,8 +182,9 @@ def _prompt(job: Job, text: str) -> dict[str, Any]:
     return prompt
 
 
-def _generate(omni: Any, job: Job, seed: int) -> list[Any]:
-    return omni.generate(_prompt(job, job.prompt), _params(job, seed))
+def _generate(omni: Any, job: Job, index: int) -> list[Any]:
+    lora = job.lora[index] if job.lora else None
+    return omni.generate(_prompt(job, job.prompt), _params(job, job.seeds[index], lora))
 
 
 def _evaluate(omni: Any, job: Job) -> Any:
@@ -212,7 +252,7 @@ def run_job(job: Job) -> dict[str, Any]:
             result["transformers"] = [dataclasses.asdict(r) for r in transformer_reports(omni)]
         for index, seed in enumerate(job.seeds):
             start = time.perf_counter()
-            outputs = _generate(omni, job, seed)
+            outputs = _generate(omni, job, index)
             result["gen_s"].append(time.perf_counter() - start)
             result["outputs"].append(_describe(outputs, seed))
             np.save(out / f"frames_{index}.npy", frames_of(outputs[0].images))
