@@ -56,6 +56,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write the tiny models' measurements to docs/models_measured.json instead of checking "
         "them (tests/models/conftest.py)",
     )
+    parser.addoption(
+        "--all-bundles",
+        action="store_true",
+        default=False,
+        help="run the deployment tests (parallelism, cache, LoRA, compile) with the stored-method engines "
+        "too (offline checkpoint, NVFP4; tests/support/bundles.py): about 8 more minutes on two cores",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids

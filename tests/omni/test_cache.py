@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from tests.platform.omni_procs import ENGINE_MARKS, RunFailed, subprocess_env
-from tests.support.bundles import BUNDLES, bundle, expected_precision
+from tests.support.bundles import BUNDLES, bundle, expected_precision, require_bundle
 from vllm_omni_mxfp4.compare.metrics import psnr
 from vllm_omni_mxfp4_tiny.engine_job import Job
 from vllm_omni_mxfp4_tiny.runner import run_engine_job
@@ -68,16 +68,32 @@ def _run(job: Job, work: Path) -> tuple[np.ndarray, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_dir, tmp_path_factory) -> dict[str, tuple[np.ndarray, list[dict]]]:
-    """The cached request in BF16 and with each bundle (traced): frames and denoising calls."""
+def cached(tiny_dir, tmp_path_factory):
+    """``cached(name)``: the cached request in BF16 (``"bf16"``) or with a bundle (traced): frames and
+    denoising calls, run at the first test that asks."""
     root = tmp_path_factory.mktemp("cache")
-    out = {"bf16": _run(_job(tiny_dir, root, CACHE), root)}
-    for name in BUNDLES:
-        model, kwargs = bundle(name, tiny_dir, root, A8_STEPS)
-        work = root / f"run-{name}"  # root / name may hold the bundle's model
-        work.mkdir()
-        out[name] = _run(_job(model, work, {**CACHE, **kwargs}), work)
-    return out
+    done: dict[str, tuple[np.ndarray, list[dict]]] = {}
+
+    def run(name: str) -> tuple[np.ndarray, list[dict]]:
+        if name not in done:
+            if name == "bf16":
+                done[name] = _run(_job(tiny_dir, root, CACHE), root)
+            else:
+                model, kwargs = bundle(name, tiny_dir, root, A8_STEPS)
+                work = root / f"run-{name}"  # root / name may hold the bundle's model
+                work.mkdir()
+                done[name] = _run(_job(model, work, {**CACHE, **kwargs}), work)
+        return done[name]
+
+    return run
+
+
+@pytest.fixture
+def runs(request, cached):
+    """The test's bundle's run (skipped for a stored bundle without ``--all-bundles``) and BF16's."""
+    name = request.node.callspec.params["name"]
+    require_bundle(request.config, name)
+    return {name: cached(name), "bf16": cached("bf16")}
 
 
 def _request_calls(calls: list[dict]) -> list[dict]:

@@ -19,6 +19,7 @@ import shutil
 import pytest
 import torch
 
+from tests.support.bundles import STORED, require_bundle
 from tests.support.layers import build_expert, forward, quantized_layers
 from tests.support.metrics import cosine
 from vllm_omni_mxfp4.steps import denoise_step
@@ -38,10 +39,6 @@ SPECS = {
     "mxfp4_dualscale": {"method": "mxfp4_dualscale", "num_bf16_fallback_layers": 0, "backend": "emulated"},
     "mxfp4 svd_rank": {"method": "mxfp4", "svd_rank": 8, "backend": "emulated"},
 }  # fmt: skip
-STORED = (
-    "checkpoint",
-    "nvfp4",
-)  # the bundles of tests/support/bundles.py whose transformer is stored quantized
 A8_STEPS = [1]
 
 
@@ -68,7 +65,7 @@ def _experts(env, tiny, root, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*SPECS, *STORED])
 def test_both_experts_compile_with_quantized_linears_without_breaks_or_recompiles(
-    vllm_env, tiny_dir, tmp_path, name
+    request, vllm_env, tiny_dir, tmp_path, name
 ):
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
@@ -80,6 +77,7 @@ def test_both_experts_compile_with_quantized_linears_without_breaks_or_recompile
         graphs.append(gm)
         return compile_fx(gm, example_inputs)
 
+    require_bundle(request.config, name)  # the stored engines' experts run with --all-bundles
     experts = _experts(vllm_env, tiny_dir, tmp_path, name)
     eager = {}
     for sub, model in experts.items():

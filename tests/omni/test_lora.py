@@ -40,7 +40,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.platform.omni_procs import ENGINE_MARKS, Job, RunFailed, run_engine_job, subprocess_env
-from tests.support.bundles import BUNDLES, METHODS, bundle, expected_precision
+from tests.support.bundles import BUNDLES, METHODS, bundle, expected_precision, require_bundle
 from tests.support.engine_runs import wan_bf16_job
 from tests.support.lora import QKV_SLICES, STRENGTH, adapter_modules, write_adapter
 from vllm_omni_mxfp4.compare.metrics import psnr
@@ -164,6 +164,7 @@ def _run(job: Job, steps_dir: Path, bundle: str | None = None) -> Run:
 @pytest.fixture(scope="module", params=BUNDLES)
 def quant(request, tiny_dir: Path, adapters: dict[str, Path], steps_dir: Path, tmp_path_factory) -> Run:
     """The quantized engine of one method bundle."""
+    require_bundle(request.config, request.param)
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
     model, kwargs = bundle(request.param, tiny_dir, root, A8_STEPS)
     out = root / "out"

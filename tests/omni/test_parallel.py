@@ -9,10 +9,10 @@ Layouts (:data:`LAYOUTS`): the MXFP4 guide's four-rank ``tp1 x ulysses2 x cfg2``
 and Ring 2; Ulysses 2, CFG-parallel 2 and TP 2 run as the factors of the four-rank layouts (the
 same process groups, one more dimension beside them). The online bundle, which holds W4A8 by step
 (the one method with per-rank state: the step index), runs all three; the stored bundles run
-``tp2 x cfg2``, where every rank loads the stored weights and TP shards them (what differs between
-methods in a parallel engine is how the weights load and shard; sequence parallelism changes only
-which tokens' activations a rank holds). Each multi-process engine costs about a minute of the
-suite on two cores, hence the selection (:data:`BUNDLE_LAYOUTS`). On a two-core machine four ranks
+``tp2 x cfg2`` with ``--all-bundles``, where every rank loads the stored weights and TP shards
+them (what differs between methods in a parallel engine is how the weights load and shard;
+sequence parallelism changes only which tokens' activations a rank holds). Each multi-process
+engine costs about a minute of the suite on two cores, hence the selection (:data:`BUNDLE_LAYOUTS`). On a two-core machine four ranks
 need ``VLLM_OMNI_MXFP4_CPU_DEVICES=4``; without it vLLM-Omni stops, and the CPU platform's error
 says so (:func:`test_four_ranks_on_two_cores_name_the_variable`).
 
@@ -44,7 +44,7 @@ import numpy as np
 import pytest
 
 from tests.platform.omni_procs import ENGINE_MARKS, RunFailed, subprocess_env
-from tests.support.bundles import A8_LAYERS, BUNDLES, METHODS, bundle, expected_precision
+from tests.support.bundles import A8_LAYERS, BUNDLES, METHODS, bundle, expected_precision, require_bundle
 from vllm_omni_mxfp4.compare.metrics import psnr
 from vllm_omni_mxfp4_tiny.engine_job import Job
 from vllm_omni_mxfp4_tiny.runner import run_engine_job
@@ -123,7 +123,8 @@ def _by_rank(calls: list[dict]) -> dict[int, list[dict]]:
 
 
 @pytest.mark.parametrize(("bundle", "layout"), [(b, layout) for b in BUNDLES for layout in BUNDLE_LAYOUTS[b]])
-def test_every_rank_runs_every_method_at_its_precision(bundle_runs, bundle, layout):
+def test_every_rank_runs_every_method_at_its_precision(request, bundle_runs, bundle, layout):
+    require_bundle(request.config, bundle)
     runs = bundle_runs(bundle)
     ranks = _by_rank(runs[layout][1])
     assert len(ranks) == RANKS[layout]  # one process per rank, each ran quantized Linears
@@ -136,7 +137,8 @@ def test_every_rank_runs_every_method_at_its_precision(bundle_runs, bundle, layo
 
 
 @pytest.mark.parametrize(("bundle", "layout"), CASES)
-def test_parallel_output_equals_one_process(bundle_runs, bundle, layout):
+def test_parallel_output_equals_one_process(request, bundle_runs, bundle, layout):
+    require_bundle(request.config, bundle)
     runs = bundle_runs(bundle)
     single, parallel = runs["one"][0], runs[layout][0]
     assert single.shape == parallel.shape and single.std() > 0

@@ -79,7 +79,8 @@ def _serve(
     env = subprocess_env(
         {"VLLM_OMNI_MXFP4_TRACE_FILE": str(trace), "VLLM_OMNI_MXFP4_CPU_DEVICES": str(devices)}
     )
-    command = [*serve_command(model, port), "--diffusion-quantization-config", json.dumps(config), *layout]
+    flags = ["--diffusion-quantization-config", json.dumps(config)] if config else []  # none: as stored
+    command = [*serve_command(model, port), *flags, *layout]
     with open(log, "wb") as out:
         server = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True

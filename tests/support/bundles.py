@@ -12,6 +12,11 @@ meets every method in three engines.
   ``mxfp4`` (requantized while it loads) and W4A8 on the listed steps; ``transformer_2`` is BF16,
   quantized at load with ``mxfp4_dualscale``.
 
+The suite runs the online bundle; the stored ones (``checkpoint``, ``nvfp4``, :data:`STORED`) run
+with ``--all-bundles`` (:func:`require_bundle`): each engine with several ranks costs about a minute
+of the suite on two cores, and the stored bundles differ from the online one only in how the weights
+load, which the loading tests cover in one process.
+
 DualScale keeps no leading block in BF16 here (``num_bf16_fallback_layers: 0``: the tiny experts
 have two blocks, fewer than the default five).
 """
@@ -22,9 +27,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.support.layers import write_mxfp8_blocks, write_offline_checkpoint
 
 BUNDLES = ("online", "checkpoint", "nvfp4")
+STORED = ("checkpoint", "nvfp4")
 A8_LAYERS = ["blocks.0.ffn.net_2"]
 METHODS = {
     "online": {"mxfp4", "mxfp4_dualscale"},
@@ -54,6 +62,12 @@ def _nvfp4_model(tiny: Path, root: Path) -> Path:
         shutil.copytree(cached_nvfp4_pipeline(tiny), model, ignore=shutil.ignore_patterns("transformer_2"))
         shutil.copytree(tiny / "transformer_2", model / "transformer_2")
     return model
+
+
+def require_bundle(config: pytest.Config, name: str) -> None:
+    """Skip the calling test for a stored bundle unless the run asked for them (``--all-bundles``)."""
+    if name in STORED and not config.getoption("--all-bundles"):
+        pytest.skip(f"the {name} bundle runs with --all-bundles (tests/support/bundles.py)")
 
 
 def bundle(name: str, tiny: Path, root: Path, a8_steps: list[int]) -> tuple[Path, dict[str, Any]]:
