@@ -39,7 +39,7 @@ from omni_procs import (
     wait_video,
 )
 
-from tests.support.bundles import bundle
+from tests.support.bundles import STORED, bundle, require_bundle
 from tests.support.ports import free_port
 from vllm_omni_mxfp4_tiny.runner import group_members
 
@@ -159,3 +159,17 @@ def test_four_ranks_serve_the_one_rank_video(servers):
 @pytest.mark.parametrize(("server", "sent"), [("four", "SIGINT"), ("one", "SIGTERM")])
 def test_a_signal_to_the_server_leaves_no_process_behind(servers, server, sent):
     assert servers[server]["left"] == [], f"{sent} to the server left processes {servers[server]['left']}"
+
+
+@pytest.mark.parametrize("name", STORED)
+def test_the_stored_engines_serve_with_four_ranks(request, tiny_dir: Path, tmp_path: Path, name: str):
+    """With ``--all-bundles``: the offline checkpoint and the NVFP4 engine behind the four-rank server,
+    two requests one after the other and then at once (the same videos), then SIGTERM to the server
+    process alone (its group empties by itself)."""
+    require_bundle(request.config, name)
+    model, kwargs = bundle(name, tiny_dir, tmp_path / "model", [0])
+    config = kwargs.get("quantization_config", {})  # the checkpoint's own config.json: no flag
+    served = _serve(model, config, tmp_path, FOUR_RANKS, 4, _sequential_then_concurrent, signal.SIGTERM)
+    assert len(served["rank_pids"]) == 4 and served["left"] == []
+    for seed in SEEDS:
+        assert np.array_equal(served["videos"]["concurrent", seed], served["videos"]["sequential", seed])
