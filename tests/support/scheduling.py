@@ -46,7 +46,6 @@ LONGEST = (
     "tests/hooks/test_upstream_checkpoints.py",
     "tests/demo/test_runner.py",
     "doc:python bench/requant.py --load",
-    "doc:python -m vllm_omni_mxfp4_demo.models",
     "tests/hooks/test_omni_names_e2e.py",
     "doc:python bench/linear.py",
     "doc:README.md#merge",
