@@ -12,9 +12,9 @@ same process groups, one more dimension beside them). The online bundle, which h
 ``tp2 x cfg2`` with ``--all-bundles``, where every rank loads the stored weights and TP shards
 them (what differs between methods in a parallel engine is how the weights load and shard;
 sequence parallelism changes only which tokens' activations a rank holds). Each multi-process
-engine costs about a minute of the suite on two cores, hence the selection (:data:`BUNDLE_LAYOUTS`). On a two-core machine four ranks
-need ``VLLM_OMNI_MXFP4_CPU_DEVICES=4``; without it vLLM-Omni stops, and the CPU platform's error
-says so (:func:`test_four_ranks_on_two_cores_name_the_variable`).
+engine costs about a minute of the suite on two cores, hence the selection (:data:`BUNDLE_LAYOUTS`).
+On a two-core machine four ranks need ``VLLM_OMNI_MXFP4_CPU_DEVICES=4``; without it vLLM-Omni
+stops, and the CPU platform's error says so (:func:`test_four_ranks_on_two_cores_name_the_variable`).
 
 What must hold, per bundle and layout:
 
