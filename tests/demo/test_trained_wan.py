@@ -94,7 +94,7 @@ def test_quick_flag_refuses_to_overwrite_the_shipped_weights(capsys):
 def test_the_shipped_pipeline_is_what_its_manifest_records():
     """The trained weights the demo distribution carries: every file byte for byte as the training
     command wrote it, within the size budget, and a recorded BF16 prompt accuracy on seen prompts and
-    unseen seeds no lower than the shipped model's (85.4 %; the task's goal is 90 %: docs/quality.md)."""
+    unseen seeds at the task's goal of 90 % (the shipped model's: 93.8 %; docs/quality.md)."""
     manifest = training_command.verify_manifest(trained_wan.SHIPPED)
     size = sum((trained_wan.SHIPPED / name).stat().st_size for name in manifest["sha256"])
     assert size <= 30 * 10**6, size
@@ -102,4 +102,4 @@ def test_the_shipped_pipeline_is_what_its_manifest_records():
     assert manifest["configs"]["vae"] == trained_wan.VAE_CONFIG
     evaluation = manifest["metrics"]["diffusers_fp32_eval"]
     assert len(evaluation["seeds"]) >= 3 and min(evaluation["seeds"]) >= TRAINING_SEEDS
-    assert evaluation["seen_prompts"]["prompt_accuracy"] >= 0.85
+    assert evaluation["seen_prompts"]["prompt_accuracy"] >= 0.90
