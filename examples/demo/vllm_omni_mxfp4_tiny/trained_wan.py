@@ -23,18 +23,18 @@ SHA-256 of every file in :data:`~.training_command.MANIFEST` next to them;
 against its manifest.
 
 Sizes: 32x32 pixels and :data:`FRAMES` frames give 6 x 16 x 16 latents and, with 2x4x4 patches (two
-frames by 4x4 latent pixels), 48 tokens (:data:`TRANSFORMER_CONFIG` says why two frames). With no temporal compression vLLM-Omni's Wan2.2 pipeline (and diffusers') returns
-``num_frames + 1`` frames (it rounds ``num_frames`` to ``k * scale_factor_temporal + 1``), so requests
-ask for :data:`NUM_FRAMES`. Every Linear of the transformers has K >= 256 (inner dim 256, FFN 512,
-text and time dims 256), so MX blocks, DualScale's 512-blocks and TP shards all apply; 6 blocks
-leave msModelSlim's shipped recipes (blocks 0-4 in MXFP8) a W4A4 block to measure.
+frames by 4x4 latent pixels), 48 tokens (:data:`TRANSFORMER_CONFIG` says why two frames). With no
+temporal compression vLLM-Omni's Wan2.2 pipeline (and diffusers') returns ``num_frames + 1`` frames
+(it rounds ``num_frames`` to ``k * scale_factor_temporal + 1``), so requests ask for
+:data:`NUM_FRAMES`. Every Linear of the transformers has K >= 256 (inner dim 256, FFN 512, text and
+time dims 256), so MX blocks, DualScale's 512-blocks and TP shards all apply; 6 blocks leave
+msModelSlim's shipped recipes (blocks 0-4 in MXFP8) a W4A4 block to measure.
 
 BF16 on an AMX CPU: PyTorch 2.13's oneDNN BF16 ``Conv3d`` with a 1x4x4 kernel and stride (the first
 recipe's patch) computes wrong values (relative error about 1.2 against FP32; a 1x2x2 kernel is
 right), so diffusers' Wan transformer run in BF16 on such a CPU generated noise from those weights;
-the 2x4x4 patch was not tried on one. vLLM-Omni's patch
-embedding (vLLM's ``Conv3dLayer``) computes that convolution as a matrix product and is not affected;
-the evaluation here computes in FP32.
+the 2x4x4 patch was not tried on one. vLLM-Omni's patch embedding (vLLM's ``Conv3dLayer``) computes
+that convolution as a matrix product and is not affected; the evaluation here computes in FP32.
 
     python -m vllm_omni_mxfp4_tiny.trained_wan [--out DIR] [--quick]
 """
@@ -132,8 +132,8 @@ TRANSFORMER_CONFIG: dict[str, Any] = {
 
 Each token is two frames of a 4x4 latent patch (48 tokens a video), not one frame (96): a step costs
 0.61x as much on two cores, so the trunk gets 3200 steps instead of 2000 in the same time, and the
-shape's motion from one frame to the next lies inside a token rather than between tokens. With the
-same stage times the one-frame patch reached 85.4 % prompt accuracy on the seen prompts (79.9 % on
+shape's motion from one frame to the next lies inside a token rather than between tokens. At about
+the same training cost the one-frame patch reached 85.4 % prompt accuracy on the seen prompts (79.9 % on
 fresh seeds) and this one 93.8 % (95.1 %). Its flow-matching loss ends higher (0.69 against 0.27):
 the patch embedding maps 512 values to 256 dimensions, so part of the noise cannot be predicted, yet
 its videos show what the prompt asks for more often."""
