@@ -319,6 +319,19 @@ def test_report_writes_the_numbers_and_prints_the_summary(tmp_path, capsys):
     assert f"Output directory: {tmp_path}" in printed
 
 
+def test_the_strip_rows_follow_the_table_not_the_order_engines_finished(tmp_path):
+    frames = {"mxfp4": np.full((2, 8, 8, 3), -0.5), "bf16": np.full((2, 8, 8, 3), 0.5)}  # mxfp4 done first
+    results = [{"mode": "bf16"}, {"mode": "mxfp4"}]
+    summary = report.Summary(tmp_path, tmp_path / "model", None, {}, results)
+    report.write_media(summary, frames)
+    with Image.open(summary.strip) as img:
+        pixels = np.asarray(img.convert("RGB"))
+    tile, gap, label = 96, 4, 150  # 8 px enlarged x12 to the strip's minimum of 96
+    first_row, second_row = pixels[tile // 2, label + tile // 2], pixels[tile + gap + tile // 2, label + tile // 2]
+    np.testing.assert_array_equal(first_row, media.to_uint8(frames["bf16"])[0, 0, 0])
+    np.testing.assert_array_equal(second_row, media.to_uint8(frames["mxfp4"])[0, 0, 0])
+
+
 def test_a_model_that_is_not_a_pipeline_exits_2(tmp_path, capsys):
     assert main.main(["--model", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert "not a diffusers pipeline directory (no model_index.json)" in capsys.readouterr().err

@@ -142,7 +142,7 @@ def other_seed(reference: np.ndarray | None, frames: np.ndarray | None, seed: in
 
 def write_media(summary: Summary, frames_by_mode: dict[str, np.ndarray]) -> None:
     """One video per mode (a PNG where the output is one image; enlarged to at least 256 pixels) and a
-    strip of frames of every mode."""
+    strip of frames of every mode, its rows in the table's order (engines finish in any order)."""
     from PIL import Image
 
     for entry in summary.results:
@@ -159,7 +159,10 @@ def write_media(summary: Summary, frames_by_mode: dict[str, np.ndarray]) -> None
             entry["video"] = str(path)
         summary.videos[entry["mode"]] = path
     if frames_by_mode:
-        summary.strip = frame_strip(list(frames_by_mode.items()), summary.out / "frames_strip.png")
+        order = [entry["mode"] for entry in summary.results if entry["mode"] in frames_by_mode]
+        order += [mode for mode in frames_by_mode if mode not in order]
+        rows = [(mode, frames_by_mode[mode]) for mode in order]
+        summary.strip = frame_strip(rows, summary.out / "frames_strip.png")
 
 
 def legend(summary: Summary) -> list[str]:
