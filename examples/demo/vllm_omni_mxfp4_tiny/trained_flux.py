@@ -409,13 +409,13 @@ def train_vae(vae: Any, config: ImageVaeTraining, *, progress: bool = True) -> l
     from tqdm import tqdm
 
     from .task import image_prompts
-    from .training import _optimizer_step, _weighted_error, cosine_learning_rate, image_batch
+    from .training import _optimizer_step, _weighted_error, adamw, cosine_learning_rate, image_batch
 
     torch.manual_seed(config.seed)
     rng = np.random.default_rng([config.seed, 20])
     prompts = image_prompts(held_out=False)
     parameters = list(vae.parameters())
-    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=0.0)
+    optimizer = adamw(parameters, config.lr, 0.0)
     vae.train()
     losses: list[float] = []
     bar = tqdm(range(config.steps), desc="vae", disable=not progress)
@@ -544,6 +544,7 @@ def train_transformer(
     from .training import (
         ExponentialAverage,
         _optimizer_step,
+        adamw,
         cosine_learning_rate,
         flow_matching_loss,
         shifted_sigma,
@@ -555,7 +556,7 @@ def train_transformer(
     generator = torch.Generator().manual_seed(config.seed)
     u_low, u_high = (unshifted_time(s, config.shift) for s in (config.sigma_low, config.sigma_high))
     parameters = list(transformer.parameters())
-    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = adamw(parameters, config.lr, config.weight_decay)
     average = ExponentialAverage(parameters, config.ema) if config.ema else None
     transformer.train()
     losses: list[float] = []
@@ -603,14 +604,14 @@ def distill_guidance(
     import torch.nn.functional as F
     from tqdm import tqdm
 
-    from .training import ExponentialAverage, _optimizer_step, cosine_learning_rate, shifted_sigma
+    from .training import ExponentialAverage, _optimizer_step, adamw, cosine_learning_rate, shifted_sigma
 
     empty = _check_text(text, "distill_guidance")
     tokens = bank.latents.shape[1]
     teacher = copy.deepcopy(transformer).eval().requires_grad_(False)
     generator = torch.Generator().manual_seed(config.seed)
     parameters = list(transformer.parameters())
-    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = adamw(parameters, config.lr, config.weight_decay)
     average = ExponentialAverage(parameters, config.ema) if config.ema else None
     transformer.train()
     losses: list[float] = []
@@ -792,6 +793,7 @@ def train_flux(out: Path, recipe: FluxRecipe | None = None, *, progress: bool = 
         },
         "versions": library_versions(),
         "threads": torch.get_num_threads(),
+        "cpu_kernels": training_command.cpu_kernels(),
         "seconds": clock.record(),
         "metrics": {
             "vae_psnr_db": round(psnr, 2),

@@ -226,6 +226,14 @@ def cosine_learning_rate(step: int, steps: int, peak: float, warmup: int, floor:
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def adamw(parameters: Any, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """The optimizer of every training loop: AdamW with its multi-tensor (``foreach``) update, which
+    on the CPU torch leaves off by default. It computes what the per-tensor loop computes, bit for
+    bit, in one call per step instead of a Python loop over ~180 parameters: the step of a tiny
+    Wan2.2 expert spent ~7 % of its time in that loop."""
+    return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay, foreach=True)
+
+
 def _optimizer_step(
     optimizer: torch.optim.Optimizer, parameters: Any, loss: torch.Tensor, lr: float
 ) -> float:
@@ -234,7 +242,7 @@ def _optimizer_step(
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+    torch.nn.utils.clip_grad_norm_(parameters, 1.0, foreach=True)
     optimizer.step()
     return float(loss.detach())
 
@@ -252,8 +260,7 @@ class ExponentialAverage:
     def update(self, parameters: Sequence[torch.nn.Parameter], step: int) -> None:
         """Fold ``parameters`` as they are after training step ``step`` (from 0) into the average."""
         decay = min(self.decay, (1 + step) / (10 + step))
-        for kept, parameter in zip(self.average, parameters):
-            kept.lerp_(parameter, 1 - decay)
+        torch._foreach_lerp_(self.average, list(parameters), 1 - decay)
 
     @torch.no_grad()
     def copy_to(self, parameters: Sequence[torch.nn.Parameter]) -> None:
@@ -378,7 +385,7 @@ def train_vae(vae: Any, config: VaeTraining, *, progress: bool = True) -> list[f
     parameters = [*vae.parameters(), *previous.parameters()]
     rng = np.random.default_rng([config.seed, 10])
     prompts = video_prompts(held_out=False)
-    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=0.0)
+    optimizer = adamw(parameters, config.lr, 0.0)
     vae.train()
     losses: list[float] = []
     bar = tqdm(range(config.steps), desc="vae", disable=not progress)
@@ -512,7 +519,7 @@ def train_expert(
     processor = use_compact_cross_attention(transformer)
     generator = torch.Generator().manual_seed(config.seed)
     u_low, u_high = (unshifted_time(s, config.shift) for s in (config.sigma_low, config.sigma_high))
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = adamw(transformer.parameters(), config.lr, config.weight_decay)
     parameters = list(transformer.parameters())
     average = ExponentialAverage(parameters, config.ema) if config.ema else None
     transformer.train()
