@@ -7,7 +7,10 @@ tests/demo/test_demo_e2e.py); a changed file is named."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -212,23 +215,28 @@ def test_a_changed_missing_or_extra_file_is_named(quick_runs, tmp_path):
     assert "notes.txt: not in the manifest" in str(error.value)
 
 
-def test_the_command_trains_with_the_pinned_thread_count_and_summarizes(tmp_path, capsys):
-    """Whatever this process uses, the command computes with THREADS threads (another count trains
-    other weights), records them, and ends with a summary a person can read."""
-    from vllm_omni_mxfp4_tiny import training_command
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1 if training_command.THREADS != 1 else 2)
-    try:
-        assert trained_flux.main(["--quick", "--out", str(tmp_path / "cli")]) == 0
-    finally:
-        torch.set_num_threads(before)
-    manifest = json.loads((tmp_path / "cli" / training_command.MANIFEST).read_text())
+@pytest.mark.skipif(training_command.pinned_kernels() is None, reason="CPU kernels are pinned on x86-64 only")
+def test_the_command_pins_threads_and_cpu_kernels_and_summarizes(tmp_path):
+    """The command line, in a process of its own as a user runs it: it computes with THREADS threads
+    and the pinned CPU kernels whatever the environment offers (either would train other weights),
+    lets a kernel variable the user set win and warns that the weights will differ, records what ran,
+    and ends with a summary a person can read."""
+    out = tmp_path / "cli"
+    env = {k: v for k, v in os.environ.items() if k not in training_command.CPU_KERNELS}
+    env |= {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "default"}  # the user's choice of kernels
+    command = [sys.executable, "-m", "vllm_omni_mxfp4_tiny.trained_flux", "--quick", "--out", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((out / training_command.MANIFEST).read_text())
     assert manifest["threads"] == training_command.THREADS
-    out = capsys.readouterr().out
-    assert f"trained pipeline: {tmp_path / 'cli'}" in out
-    assert "prompt accuracy, seen prompts x seeds [1000000]: " in out and " of 2 images; " in out
-    assert f"SHA-256 in {tmp_path / 'cli' / training_command.MANIFEST}" in out
+    pinned = training_command.pinned_kernels()
+    assert manifest["cpu_kernels"] == {"aten": "DEFAULT", "onednn_max_isa": pinned["onednn_max_isa"]}
+    assert "the weights will not match the shipped ones bit for bit" in done.stderr
+    assert f"trained pipeline: {out}" in done.stdout
+    assert (
+        "prompt accuracy, seen prompts x seeds [1000000]: " in done.stdout and " of 2 images; " in done.stdout
+    )
+    assert f"SHA-256 in {out / training_command.MANIFEST}" in done.stdout
 
 
 def test_quick_flag_refuses_to_overwrite_the_shipped_weights(capsys):

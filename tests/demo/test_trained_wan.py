@@ -103,3 +103,5 @@ def test_the_shipped_pipeline_is_what_its_manifest_records():
     evaluation = manifest["metrics"]["diffusers_fp32_eval"]
     assert len(evaluation["seeds"]) >= 3 and min(evaluation["seeds"]) >= TRAINING_SEEDS
     assert evaluation["seen_prompts"]["prompt_accuracy"] >= 0.90
+    # computed with the CPU kernels the command pins, so any x86-64 machine can train them again
+    assert manifest["cpu_kernels"] == {"aten": "AVX2", "onednn_max_isa": "AVX2"}

@@ -3,6 +3,7 @@ and the compact cross-attention that must compute what the full 512-row attentio
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -291,6 +292,36 @@ def test_exponential_average_ramps_up_then_keeps_its_decay():
     torch.testing.assert_close(average.average[0], torch.full((3,), 1 - 0.05 * 2 / 11))
     average.copy_to([parameter])
     torch.testing.assert_close(parameter.detach(), average.average[0])
+
+
+def test_the_training_step_gives_the_per_tensor_loops_weights_bit_for_bit():
+    """The loops' multi-tensor updates (AdamW, gradient clipping, the moving average) change only how
+    fast a step runs: after steps that clip, their weights and average equal those of torch's
+    per-tensor AdamW, clipping and lerp exactly (the shipped weights were trained with the loops)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32))
+    loops = [model, copy.deepcopy(model)]
+    data = [(torch.randn(16, 64), torch.randn(16, 32) * 5) for _ in range(6)]
+
+    fast, slow = (list(m.parameters()) for m in loops)
+    fast_opt = training.adamw(fast, 1e-2, 0.01)
+    slow_opt = torch.optim.AdamW(slow, lr=1e-2, weight_decay=0.01, foreach=False)
+    fast_avg = training.ExponentialAverage(fast, decay=0.9)
+    slow_avg = [p.detach().clone() for p in slow]
+    norms = []
+    for step, (x, y) in enumerate(data):
+        training._optimizer_step(fast_opt, fast, torch.nn.functional.mse_loss(loops[0](x), y), 1e-2)
+        fast_avg.update(fast, step)
+        slow_opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(loops[1](x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(slow, 1.0, foreach=False)))
+        slow_opt.step()
+        with torch.no_grad():
+            for kept, p in zip(slow_avg, slow):
+                kept.lerp_(p, 1 - min(0.9, (1 + step) / (10 + step)))
+    assert max(norms) > 1.0  # clipping did something
+    for a, b in zip([*fast, *fast_avg.average], [*slow, *slow_avg]):
+        assert torch.equal(a, b)
 
 
 def test_image_batches_are_seeded_renders_of_their_prompts():

@@ -418,6 +418,7 @@ def train_wan(out: Path, recipe: WanRecipe | None = None, *, progress: bool = Tr
         },
         "versions": library_versions(),
         "threads": torch.get_num_threads(),
+        "cpu_kernels": training_command.cpu_kernels(),
         "seconds": clock.record(),
         "metrics": {
             "vae_psnr_db": round(psnr, 2),

@@ -1,8 +1,8 @@
 """What every trained tiny pipeline's training command shares (``python -m
 vllm_omni_mxfp4_tiny.trained_wan``, ``...trained_flux``): the command line (``--out``, default the
-shipped copy; ``--quick``, a smoke run refused over the shipped copy; the pinned thread count), the
-records of its manifest (recipe, stage times, final losses, prompt accuracy, library versions,
-SHA-256 of every file) and the summary printed at the end."""
+shipped copy; ``--quick``, a smoke run refused over the shipped copy; the pinned thread count and CPU
+kernels), the records of its manifest (recipe, stage times, final losses, prompt accuracy, library
+versions, CPU kernels, SHA-256 of every file) and the summary printed at the end."""
 
 from __future__ import annotations
 
@@ -11,10 +11,15 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
+import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "TRAINING.json"
 """The file next to a trained pipeline: recipe, measured numbers, SHA-256 of every other file."""
@@ -23,6 +28,16 @@ THREADS = 2
 """Threads every training command computes with, whatever the machine has: a float sum is grouped by
 thread, so another count trains other weights (the tiny FLUX.1-dev's recipe with one thread: 92.7 %
 seen-prompt accuracy, with two: 87.7 %). The manifest records the count; the shipped weights used it."""
+
+CPU_KERNELS: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+"""The widest SIMD kernels ATen and oneDNN may pick on x86-64, pinned (to AVX2) by every training
+command. Like the thread count, the kernels decide the weights: left to choose, both take AVX-512
+kernels where the CPU has them, which group their sums differently, and the Wan2.2 recipe trained
+other weights on a 2-core AMD EPYC with AVX-512 (seen-prompt accuracy 91.7 % against the shipped
+93.8 %). Pinned, that machine wrote every file of the shipped Wan2.2, trained on an AVX2-only EPYC,
+byte for byte. The narrower kernels cost time there (the trunk stage took 898 s against 766 s).
+Pinning either alone changed the weights; MKL's GEMMs need no pin (``MKL_CBWR=AVX2`` changed none).
+A variable already set in the environment wins; the manifest records what ran (:func:`cpu_kernels`)."""
 
 
 def build_parser(command: str, description: str, shipped: Path) -> argparse.ArgumentParser:
@@ -83,14 +98,58 @@ def main(
         parser.error("--quick would overwrite the shipped weights; give --out")
     out = args.out or shipped
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    pin_cpu_kernels()
     import torch
 
     torch.set_num_threads(THREADS)
+    kernels, pinned = cpu_kernels(), pinned_kernels()
+    if pinned and kernels != pinned:
+        logger.warning(
+            "computing with CPU kernels %s, not the pinned %s (a variable was set otherwise, or torch was "
+            "running before the command): the weights will not match the shipped ones bit for bit",
+            kernels,
+            pinned,
+        )
     default, quick = recipes
     manifest = train(out, quick() if args.quick else default())
     for line in summary(manifest, out, unit, manifest_name):
         print(line)
     return 0
+
+
+def pin_cpu_kernels() -> bool:
+    """Set :data:`CPU_KERNELS` in the environment (x86-64; a variable already set wins) and say whether
+    it did. Only in a process that has not imported torch yet, as the command line's has not: ATen
+    reads its variable at its first vectorized operation and oneDNN at its first primitive, so later
+    the pin would not hold, and a caller with torch running (a test calling :func:`main`) keeps its
+    environment, which the processes it starts inherit."""
+    if "torch" in sys.modules or pinned_kernels() is None:
+        return False
+    for name, value in CPU_KERNELS.items():
+        os.environ.setdefault(name, value)
+    return True
+
+
+def pinned_kernels() -> dict[str, str] | None:
+    """:data:`CPU_KERNELS` as :func:`cpu_kernels` reports them; ``None`` off x86-64, where nothing is
+    pinned."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    return {
+        "aten": CPU_KERNELS["ATEN_CPU_CAPABILITY"].upper(),
+        "onednn_max_isa": CPU_KERNELS["ONEDNN_MAX_CPU_ISA"],
+    }
+
+
+def cpu_kernels() -> dict[str, str]:
+    """The CPU kernels this process computes with, as the manifest records them: ATen's capability
+    and oneDNN's ISA limit (``native``: unpinned)."""
+    import torch
+
+    return {
+        "aten": torch.backends.cpu.get_cpu_capability(),
+        "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "native"),
+    }
 
 
 class StageClock:
