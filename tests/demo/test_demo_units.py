@@ -327,7 +327,10 @@ def test_the_strip_rows_follow_the_table_not_the_order_engines_finished(tmp_path
     with Image.open(summary.strip) as img:
         pixels = np.asarray(img.convert("RGB"))
     tile, gap, label = 96, 4, 150  # 8 px enlarged x12 to the strip's minimum of 96
-    first_row, second_row = pixels[tile // 2, label + tile // 2], pixels[tile + gap + tile // 2, label + tile // 2]
+    first_row, second_row = (
+        pixels[tile // 2, label + tile // 2],
+        pixels[tile + gap + tile // 2, label + tile // 2],
+    )
     np.testing.assert_array_equal(first_row, media.to_uint8(frames["bf16"])[0, 0, 0])
     np.testing.assert_array_equal(second_row, media.to_uint8(frames["mxfp4"])[0, 0, 0])
 

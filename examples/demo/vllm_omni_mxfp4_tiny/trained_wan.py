@@ -179,7 +179,7 @@ class WanRecipe:
 
 
 def default_recipe() -> WanRecipe:
-    """The recipe the command trains by default (about 20 minutes on two cores)."""
+    """The recipe the command trains by default (21-25 minutes on two cores; docs/quality.md)."""
     from .training import ExpertTraining, VaeTraining
 
     return WanRecipe(
