@@ -30,7 +30,7 @@ if [ -f "$venv/.env-key" ] && [ "$(cat "$venv/.env-key")" = "$key" ] && [ -x "$v
 fi
 
 {
-  echo "[env] building $venv (key $key); about 3-5 minutes on a fresh machine"
+  echo "[env] building $venv (key $key); about 2-4 minutes on a fresh machine"
   rm -rf "$venv"
   "$py" -m venv "$venv"
   pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
