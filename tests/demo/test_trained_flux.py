@@ -250,7 +250,8 @@ def test_quick_flag_refuses_to_overwrite_the_shipped_weights(capsys):
 
 def test_the_shipped_pipeline_is_what_its_manifest_records():
     """Every file byte for byte as the training command wrote it, within the 4.5 MB budget, the
-    configs of this module, and a recorded prompt accuracy on seen prompts and >= 3 unseen seeds."""
+    configs of this module, a recorded prompt accuracy on seen prompts and >= 3 unseen seeds, and the
+    pinned CPU kernels they were computed with."""
     manifest = training_command.verify_manifest(trained_flux.SHIPPED)
     size = sum((trained_flux.SHIPPED / name).stat().st_size for name in manifest["sha256"])
     size += (trained_flux.SHIPPED / training_command.MANIFEST).stat().st_size
@@ -267,6 +268,8 @@ def test_the_shipped_pipeline_is_what_its_manifest_records():
         evaluation["seeds"]
     )
     assert evaluation["seen_prompts"]["prompt_accuracy"] >= SHIPPED_BAR
+    # computed with the CPU kernels the command pins, so any x86-64 machine can train them again
+    assert manifest["cpu_kernels"] == {"aten": "AVX2", "onednn_max_isa": "AVX2"}
 
 
 #: The seen-prompt accuracy the shipped model measured (manifest), which the tests hold it to.
