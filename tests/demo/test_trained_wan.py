@@ -105,3 +105,59 @@ def test_the_shipped_pipeline_is_what_its_manifest_records():
     assert evaluation["seen_prompts"]["prompt_accuracy"] >= 0.90
     # computed with the CPU kernels the command pins, so any x86-64 machine can train them again
     assert manifest["cpu_kernels"] == {"aten": "AVX2", "onednn_max_isa": "AVX2"}
+
+
+def test_the_evaluation_on_compact_text_draws_the_videos_the_pipeline_draws_from_its_prompts():
+    """The training command evaluates with ``generate(..., compact=True)``: the pipeline gets each
+    prompt's own text rows plus one padding row, and its experts weigh that row as the 512 - n rows it
+    stands for. Its videos must be the ones the pipeline draws when it encodes the prompts itself (both
+    experts run: 2 steps cross the boundary), and the experts must be left as they were."""
+    import numpy as np
+    import torch
+    from diffusers import WanPipeline
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    from vllm_omni_mxfp4_tiny import training
+    from vllm_omni_mxfp4_tiny.task import video_prompts
+
+    pipeline = WanPipeline.from_pretrained(trained_wan.SHIPPED, dtype=torch.float32)
+    texts = [p.text for p in video_prompts(held_out=False)[:2]]
+    settings = (TRAINING_SEEDS, 2, trained_wan.EVAL_GUIDANCE, trained_wan.EVAL_GUIDANCE_2)
+    want = trained_wan.generate(pipeline, texts, *settings)
+    got = trained_wan.generate(pipeline, texts, *settings, compact=True)
+    assert float(np.abs(got - want).max()) < 1e-4
+    for expert in (pipeline.transformer, pipeline.transformer_2):
+        assert not expert._forward_pre_hooks
+        assert all(type(block.attn2.processor) is WanAttnProcessor for block in expert.blocks)
+    # the same compact rows read without their bias are another text: the comparison can fail
+    embeddings = training.prompt_embeddings(pipeline.tokenizer, pipeline.text_encoder, [*texts, ""])
+    text, _ = training.compact_text(embeddings, 12)
+    with torch.no_grad():
+        unweighted = pipeline(
+            prompt_embeds=text[:-1],
+            negative_prompt_embeds=text[-1:].expand(len(texts), -1, -1),
+            height=trained_wan.HEIGHT,
+            width=trained_wan.WIDTH,
+            num_frames=trained_wan.NUM_FRAMES,
+            num_inference_steps=2,
+            guidance_scale=trained_wan.EVAL_GUIDANCE,
+            guidance_scale_2=trained_wan.EVAL_GUIDANCE_2,
+            generator=[torch.Generator().manual_seed(TRAINING_SEEDS) for _ in texts],
+            output_type="np",
+        ).frames
+    assert float(np.abs(unweighted - want).max()) > 0.1
+
+
+def test_compact_text_attention_refuses_text_with_no_padding_row():
+    """Rows that are all the prompt's own leave nothing to stand for the padding: refused, by name."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from vllm_omni_mxfp4_tiny import training
+
+    expert = WanTransformer3DModel.from_pretrained(trained_wan.SHIPPED / "transformer")
+    latents = torch.zeros(1, 16, 2, 4, 4)
+    text = torch.ones(1, 3, trained_wan.TEXT_DIM)
+    with training.compact_text_attention([expert]), pytest.raises(ValueError, match="fills all 3 text rows"):
+        expert(hidden_states=latents, timestep=torch.tensor([500.0]), encoder_hidden_states=text)
+    assert not expert._forward_pre_hooks

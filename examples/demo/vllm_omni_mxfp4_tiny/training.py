@@ -15,7 +15,8 @@ trained with it load and run there unchanged:
   log((512 - n) / (L - n)): softmax over the L rows then weighs them exactly as softmax over the 512
   rows does. :class:`CompactCrossAttention` is diffusers' Wan cross-attention with that bias; it
   makes a training step several times cheaper and changes nothing the trained weights compute
-  (checked against the full 512-row attention in the tests).
+  (checked against the full 512-row attention in the tests). :func:`compact_text_attention` lets a
+  whole pipeline run on compact text the same way (the trained models' evaluation).
 - **Flow matching.** :func:`flow_matching_loss` is the objective vLLM-Omni's flow-prediction
   schedulers invert: ``x_t = (1 - sigma) x_0 + sigma * noise``, timestep ``1000 * sigma``, target
   ``noise - x_0``; each expert of a two-expert pipeline is trained on its own side of the
@@ -37,7 +38,8 @@ trained with it load and run there unchanged:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,11 +137,17 @@ def compact_text(
             f"compact_text: a prompt has {int(tokens.max())} tokens, which leaves no padding row among "
             f"the first {length}; use a length above the longest prompt"
         )
+    return embeddings[:, :length].contiguous(), padding_bias(tokens, length, total)
+
+
+def padding_bias(tokens: torch.Tensor, length: int, total: int) -> torch.Tensor:
+    """``(B, length)``: the logit bias of :func:`compact_text` for prompts of ``tokens`` own rows kept
+    in ``length`` of their ``total`` rows: zero on a prompt's own rows, log((total - n) / (length - n))
+    on each kept padding row."""
     rows = torch.arange(length).unsqueeze(0)
     n = tokens.unsqueeze(1).to(torch.float64)
     weight = torch.log((total - n) / (length - n))
-    bias = torch.where(rows >= tokens.unsqueeze(1), weight, torch.zeros_like(weight)).to(torch.float32)
-    return embeddings[:, :length].contiguous(), bias
+    return torch.where(rows >= tokens.unsqueeze(1), weight, torch.zeros_like(weight)).to(torch.float32)
 
 
 class CompactCrossAttention:
@@ -178,6 +186,45 @@ def use_compact_cross_attention(transformer: Any) -> CompactCrossAttention:
     for block in transformer.blocks:
         block.attn2.set_processor(processor)
     return processor
+
+
+@contextmanager
+def compact_text_attention(
+    transformers: Sequence[Any], total: int = MAX_SEQUENCE_LENGTH
+) -> Iterator[CompactCrossAttention]:
+    """Within the block, every given ``WanTransformer3DModel`` reads compact text (:func:`compact_text`
+    rows, zero padding rows) as if it were the prompt's ``total`` padded rows: its cross-attention goes
+    through one :class:`CompactCrossAttention` whose bias each forward sets from the text it is given.
+    A pipeline handed compact ``prompt_embeds`` then computes what it computes from the full text,
+    without projecting hundreds of identical padding rows a step. The processors are restored after."""
+    processor = CompactCrossAttention()
+
+    def set_bias(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        text = kwargs.get("encoder_hidden_states")
+        if text is None:
+            raise RuntimeError(
+                "compact_text_attention: the transformer was called without encoder_hidden_states= as a "
+                "keyword (diffusers' WanPipeline passes it so)"
+            )
+        tokens = (text.abs().amax(dim=-1) > 0).sum(dim=1)
+        if int(tokens.max()) >= text.shape[1]:
+            raise ValueError(
+                f"compact_text_attention: a prompt fills all {text.shape[1]} text rows; give compact_text "
+                "rows with at least one zero padding row each"
+            )
+        processor.bias = padding_bias(tokens, text.shape[1], total)
+
+    saved = [(block.attn2, block.attn2.processor) for t in transformers for block in t.blocks]
+    hooks = [t.register_forward_pre_hook(set_bias, with_kwargs=True) for t in transformers]
+    try:
+        for attention, _ in saved:
+            attention.set_processor(processor)
+        yield processor
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for attention, original in saved:
+            attention.set_processor(original)
 
 
 def flow_matching_loss(
