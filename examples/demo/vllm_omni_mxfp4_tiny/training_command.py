@@ -32,11 +32,11 @@ seen-prompt accuracy, with two: 87.7 %). The manifest records the count; the shi
 CPU_KERNELS: dict[str, str] = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 """The widest SIMD kernels ATen and oneDNN may pick on x86-64, pinned (to AVX2) by every training
 command. Like the thread count, the kernels decide the weights: left to choose, both take AVX-512
-kernels where the CPU has them, which group their sums differently, and the Wan2.2 recipe trained
-other weights on a 2-core AMD EPYC with AVX-512 (seen-prompt accuracy 91.7 % against the shipped
-93.8 %). Pinned, that machine wrote every file of the shipped Wan2.2, trained on an AVX2-only EPYC,
-byte for byte. The narrower kernels cost time there (the trunk stage took 898 s against 766 s).
-Pinning either alone changed the weights; MKL's GEMMs need no pin (``MKL_CBWR=AVX2`` changed none).
+kernels where the CPU has them, which group their sums differently, and the previous Wan2.2 recipe
+(500 VAE and 3200 trunk steps) trained other weights on a 2-core AMD EPYC with AVX-512 (seen-prompt
+accuracy 91.7 % against 93.8 %). Pinned, that machine wrote every file of those weights, trained on
+an AVX2-only EPYC, byte for byte. The narrower kernels cost time there (the trunk stage took 898 s
+against 766 s). Pinning either alone changed the weights; MKL's GEMMs need no pin (``MKL_CBWR=AVX2`` changed none).
 A variable already set in the environment wins; the manifest records what ran (:func:`cpu_kernels`)."""
 
 
