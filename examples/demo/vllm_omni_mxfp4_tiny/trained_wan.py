@@ -16,11 +16,11 @@ from fixed seeds, in four stages (:mod:`.training` has the loops):
    of its weights.
 
 It then measures prompt accuracy (:mod:`.detect`) with diffusers' own ``WanPipeline`` on seeds never
-used in training (FP32 compute of the BF16 weights), writes the pipeline with ``save_pretrained``
-(transformers in BF16, as Wan2.2 ships them), and records the recipe, the measured numbers and the
-SHA-256 of every file in :data:`~.training_command.MANIFEST` next to them;
-:func:`~.training_command.verify_manifest` checks a directory
-against its manifest.
+used in training (FP32 compute of the BF16 weights, the text handed over compactly: :func:`generate`),
+writes the pipeline with ``save_pretrained`` (transformers in BF16, as Wan2.2 ships them), and
+records the recipe, the measured numbers and the SHA-256 of every file in
+:data:`~.training_command.MANIFEST` next to them; :func:`~.training_command.verify_manifest` checks a
+directory against its manifest.
 
 Sizes: 32x32 pixels and :data:`FRAMES` frames give 6 x 16 x 16 latents and, with 2x4x4 patches (two
 frames by 4x4 latent pixels), 48 tokens (:data:`TRANSFORMER_CONFIG` says why two frames). With no
@@ -262,7 +262,7 @@ def evaluate(
 ) -> Any:
     """Prompt accuracy (:class:`.detect.Accuracy`) of ``pipeline`` (a diffusers ``WanPipeline``) over
     ``prompts`` x ``seeds``, one video per pair (:func:`generate` on compact text: the same videos as
-    from the 512 padded rows up to float rounding, in a third of the time)."""
+    from the 512 padded rows up to float rounding, in about a third of the time)."""
     from tqdm import tqdm
 
     from .detect import prompt_accuracy
