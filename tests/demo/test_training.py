@@ -55,6 +55,9 @@ def test_compact_text_refuses_a_length_with_no_padding_row(text_parts):
         training.compact_text(embeds, 11)
     _, bias = training.compact_text(embeds, 12)
     assert bias[0, :11].abs().max() == 0 and math.isclose(float(bias[0, 11]), math.log(501), rel_tol=1e-6)
+    # by default: exactly one padding row past the longest prompt
+    text, default_bias = training.compact_text(embeds)
+    assert text.shape[1] == 12 and torch.equal(default_bias, bias)
 
 
 def test_compact_cross_attention_computes_what_the_full_padded_text_gives(text_parts):

@@ -306,13 +306,13 @@ def generate(
     context: Any = contextlib.nullcontext()
     if compact:
         embeddings = training.prompt_embeddings(pipeline.tokenizer, pipeline.text_encoder, [*texts, ""])
-        longest = int((embeddings.abs().amax(-1) > 0).sum(1).max())
-        text, _ = training.compact_text(embeddings, longest + 1)
+        text, _ = training.compact_text(embeddings)
         arguments = {
             "prompt_embeds": text[:-1],
             "negative_prompt_embeds": text[-1:].expand(len(texts), -1, -1),
         }
-        context = training.compact_text_attention([pipeline.transformer, pipeline.transformer_2])
+        experts = [e for e in (pipeline.transformer, pipeline.transformer_2) if e is not None]
+        context = training.compact_text_attention(experts)
     pipeline.set_progress_bar_config(disable=True)
     with torch.no_grad(), context:
         return pipeline(
@@ -396,8 +396,7 @@ def train_wan(out: Path, recipe: WanRecipe | None = None, *, progress: bool = Tr
 
     texts = [p.text for p in _training_prompts()] + [""]
     embeddings = training.prompt_embeddings(tokenizer, text_encoder, texts)
-    longest = int((embeddings.abs().amax(-1) > 0).sum(1).max())
-    text, bias = training.compact_text(embeddings, longest + 1)
+    text, bias = training.compact_text(embeddings)
     trunk = _seeded(recipe.transformer_seed, lambda: WanTransformer3DModel(**TRANSFORMER_CONFIG))
     training.init_transformer(trunk)
     losses = {

@@ -121,17 +121,20 @@ def prompt_embeddings(
 
 
 def compact_text(
-    embeddings: torch.Tensor, length: int, tokens: torch.Tensor | None = None
+    embeddings: torch.Tensor, length: int | None = None, tokens: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``length`` rows of padded ``embeddings`` and the logit bias ``(B, length)`` that
     makes attention over them equal attention over all rows (module docstring).
 
     ``tokens`` (``(B,)``): how many leading rows of each prompt are its own; by default the rows that
     are not zero (Wan2.2's pipeline zero-fills the padding). Exact only when every padding row of a
-    prompt holds the same values. Every prompt must leave at least one padding row among the kept ones."""
+    prompt holds the same values. Every prompt must leave at least one padding row among the kept
+    ones; ``length`` None keeps exactly one past the longest prompt."""
     batch, total, _ = embeddings.shape
     if tokens is None:
         tokens = (embeddings.abs().amax(dim=-1) > 0).sum(dim=1)
+    if length is None:
+        length = int(tokens.max()) + 1
     if int(tokens.max()) >= length:
         raise ValueError(
             f"compact_text: a prompt has {int(tokens.max())} tokens, which leaves no padding row among "

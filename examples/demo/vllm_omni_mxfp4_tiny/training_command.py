@@ -36,8 +36,9 @@ kernels where the CPU has them, which group their sums differently, and the prev
 (500 VAE and 3200 trunk steps) trained other weights on a 2-core AMD EPYC with AVX-512 (seen-prompt
 accuracy 91.7 % against 93.8 %). Pinned, that machine wrote every file of those weights, trained on
 an AVX2-only EPYC, byte for byte. The narrower kernels cost time there (the trunk stage took 898 s
-against 766 s). Pinning either alone changed the weights; MKL's GEMMs need no pin (``MKL_CBWR=AVX2`` changed none).
-A variable already set in the environment wins; the manifest records what ran (:func:`cpu_kernels`)."""
+against 766 s). Pinning either alone changed the weights; MKL's GEMMs need no pin (``MKL_CBWR=AVX2``
+changed none). A variable already set in the environment wins; the manifest records what ran
+(:func:`cpu_kernels`)."""
 
 
 def build_parser(command: str, description: str, shipped: Path) -> argparse.ArgumentParser:
