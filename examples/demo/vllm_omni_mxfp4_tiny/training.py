@@ -132,15 +132,27 @@ def compact_text(
     ones; ``length`` None keeps exactly one past the longest prompt."""
     batch, total, _ = embeddings.shape
     if tokens is None:
-        tokens = (embeddings.abs().amax(dim=-1) > 0).sum(dim=1)
+        tokens = own_rows(embeddings)
     if length is None:
         length = int(tokens.max()) + 1
+    _require_padding_row(tokens, length, "compact_text", "use a length above the longest prompt")
+    return embeddings[:, :length].contiguous(), padding_bias(tokens, length, total)
+
+
+def own_rows(embeddings: torch.Tensor) -> torch.Tensor:
+    """``(B,)``: how many leading rows of each prompt's padded ``embeddings`` are its own: the rows
+    that are not zero (Wan2.2's pipeline zero-fills the padding)."""
+    return (embeddings.abs().amax(dim=-1) > 0).sum(dim=1)
+
+
+def _require_padding_row(tokens: torch.Tensor, length: int, caller: str, remedy: str) -> None:
+    """Refuse prompts of ``tokens`` own rows that leave no padding row among ``length`` kept rows:
+    nothing would stand for their padding."""
     if int(tokens.max()) >= length:
         raise ValueError(
-            f"compact_text: a prompt has {int(tokens.max())} tokens, which leaves no padding row among "
-            f"the first {length}; use a length above the longest prompt"
+            f"{caller}: a prompt has {int(tokens.max())} tokens, which leaves no padding row among "
+            f"the first {length}; {remedy}"
         )
-    return embeddings[:, :length].contiguous(), padding_bias(tokens, length, total)
 
 
 def padding_bias(tokens: torch.Tensor, length: int, total: int) -> torch.Tensor:
@@ -209,12 +221,10 @@ def compact_text_attention(
                 "compact_text_attention: the transformer was called without encoder_hidden_states= as a "
                 "keyword (diffusers' WanPipeline passes it so)"
             )
-        tokens = (text.abs().amax(dim=-1) > 0).sum(dim=1)
-        if int(tokens.max()) >= text.shape[1]:
-            raise ValueError(
-                f"compact_text_attention: a prompt fills all {text.shape[1]} text rows; give compact_text "
-                "rows with at least one zero padding row each"
-            )
+        tokens = own_rows(text)
+        _require_padding_row(
+            tokens, text.shape[1], "compact_text_attention", "give it compact_text's rows, which keep one"
+        )
         processor.bias = padding_bias(tokens, text.shape[1], total)
 
     saved = [(block.attn2, block.attn2.processor) for t in transformers for block in t.blocks]
